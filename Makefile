@@ -1,0 +1,40 @@
+# The two commands: `make run` (the demo, or POLICY=path for real replicas) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+POLICY ?=
+
+.PHONY: run test bench lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: venv
+ifeq ($(POLICY),)
+	$(PY) -m proxy demo
+else
+	$(PY) -m proxy serve --config $(POLICY)
+endif
+
+test: venv
+	@scripts/system-deps.sh
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) -m loadtest.bench_overhead
+	@for b in loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py; do \
+	  if [ -f $$b ]; then $(PY) -m loadtest.$$(basename $$b .py) || exit 1; fi; done
+
+lint: venv
+	$(VENV)/bin/ruff check proxy loadtest tests
+	$(VENV)/bin/ruff format --check proxy loadtest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

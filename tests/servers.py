@@ -1,0 +1,112 @@
+"""Real servers for tests: an ASGI app on a real socket in this event loop, or a subprocess.
+
+Integration tests talk over loopback TCP, never through an in-memory transport, so that
+disconnects, backpressure and socket options are the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(bound_socket(host)) as sock:
+        return int(sock.getsockname()[1])
+
+
+class _QuietServer(uvicorn.Server):
+    # Tests run many servers in one loop; they must not take over the process's signals.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in the running loop; yield its URL."""
+    sock = bound_socket(host)
+    port = sock.getsockname()[1]
+    cfg = uvicorn.Config(app, log_level="warning", lifespan="on", **config)
+    server = _QuietServer(cfg)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("server exited during start-up")
+            await asyncio.sleep(0.005)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(task, 10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            task.cancel()
+        sock.close()
+
+
+def wait_http_ok(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
+
+
+@contextlib.contextmanager
+def run_process(
+    argv: Sequence[str], *, ready_url: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a command (``[sys.executable, "-m", "proxy", ...]``) until the block ends."""
+    proc = subprocess.Popen(
+        list(argv),
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        if ready_url:
+            try:
+                wait_http_ok(ready_url)
+            except TimeoutError:
+                proc.kill()
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"{argv} did not start:\n{err[-4000:]}") from None
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+PYTHON = sys.executable
