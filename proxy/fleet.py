@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from .config import Policy, PoolConfig, ReplicaConfig
 
@@ -33,6 +33,20 @@ class EjectReason(str, Enum):
     CONSECUTIVE_FAILURES = "consecutive_failures"
     CANARY_FAILED = "canary_failed"
     OPERATOR = "operator"
+
+
+class StreamWatch(Protocol):
+    """What the fleet sees of one relayed attempt: enough to end it when its replica is ejected.
+
+    ``last_progress`` is the monotonic time of the last chunk from upstream (or the attempt's
+    start); ``content_sent`` tells whether any content reached the client (then it cannot be
+    retried, only ended with an SSE error event).
+    """
+
+    last_progress: float
+    content_sent: bool
+
+    def interrupt(self, reason: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -64,6 +78,7 @@ class Replica:
     stats: ScrapedStats = field(default_factory=ScrapedStats)
     requests_total: int = 0
     failures_in_row: int = 0
+    streams: set[StreamWatch] = field(default_factory=set)  # attempts in flight, for rescue
 
     @property
     def max_in_flight(self) -> int:

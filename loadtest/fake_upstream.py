@@ -1,0 +1,205 @@
+"""A minimal, fast fake vLLM for relay tests and the overhead benchmark.
+
+The simulator (``loadtest/sim``) models an engine; this one models only the wire, as cheaply as
+possible, so that a benchmark measures the gateway and not its upstream: raw asyncio, HTTP/1.1
+keep-alive, vLLM's chunk format (``tests/fixtures/vllm_chat_stream.txt``). Two modes:
+
+- burst: the whole stream of ``tokens`` chunks in one write;
+- paced: one write per token, ``interval_s`` apart, each awaiting ``drain()`` so a slow reader
+  holds the writer back (backpressure is visible in ``stats``).
+
+It records what it received (headers, bodies) and every connection that closed mid-response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@dataclass
+class FakeStats:
+    requests: int = 0
+    disconnects: int = 0  # connections closed by the peer before the response ended
+    drain_waits: int = 0  # writes that had to wait for the reader (backpressure)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    disconnected_at: list[float] = field(default_factory=list)
+
+
+def _chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
+    delta: dict[str, Any] = {"content": content} if content is not None else {}
+    if i == 0:
+        delta = {"role": "assistant", "content": ""}
+    obj = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 1779182750,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def stream_events(tokens: int, usage: bool = False) -> list[bytes]:
+    """The events of a chat stream: role chunk, ``tokens`` content chunks, finish, [DONE]."""
+    events = [_chunk(0, None)]
+    events += [_chunk(i + 1, f" tok{i}") for i in range(tokens)]
+    events.append(_chunk(tokens + 1, "", "length"))
+    if usage:
+        u = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
+        obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+               "model": MODEL, "choices": [], "usage": u}  # fmt: skip
+        events.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _plain(tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant",
+                         "content": " ".join(f"tok{i}" for i in range(tokens))},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": tokens,
+                      "total_tokens": 10 + tokens},
+        }  # fmt: skip
+    ).encode()
+
+
+_MODELS = json.dumps(
+    {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm",
+                                 "root": MODEL, "max_model_len": 32768}]}  # fmt: skip
+).encode()
+
+
+class FakeUpstream:
+    def __init__(self, *, tokens: int = 64, interval_s: float = 0.0, record: bool = True) -> None:
+        self.tokens = tokens
+        self.interval_s = interval_s
+        self.record = record
+        self.stats = FakeStats()
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> None:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", port, backlog=4096)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                length = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(length) if length else b""
+                await self._respond(method, path, headers, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _respond(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes, w: asyncio.StreamWriter
+    ) -> None:
+        if path == "/health":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return
+        if path == "/v1/models":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                    b"\r\n\r\n%s" % (len(_MODELS), _MODELS))  # fmt: skip
+            return
+        self.stats.requests += 1
+        body: dict[str, Any] = json.loads(raw) if raw else {}
+        if self.record:
+            self.stats.bodies.append(body)
+            self.stats.headers.append(headers)
+        tokens = int(body.get("max_tokens") or self.tokens)
+        if not body.get("stream"):
+            payload = _plain(tokens)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                    b"\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+            return
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = stream_events(tokens, usage)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+        try:
+            if self.interval_s <= 0:
+                data = b"".join(events)
+                w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+                return
+            for i, event in enumerate(events):
+                if i > 1 and event is not events[-1]:
+                    await asyncio.sleep(self.interval_s)
+                w.write(b"%x\r\n%s\r\n" % (len(event), event))
+                if w.transport.get_write_buffer_size() > 0:
+                    self.stats.drain_waits += 1
+                await w.drain()
+                if w.transport.is_closing():
+                    raise ConnectionResetError
+            w.write(b"0\r\n\r\n")
+        except ConnectionError:
+            self.stats.disconnects += 1
+            self.stats.disconnected_at.append(time.monotonic())
+            raise
+
+
+@contextlib.asynccontextmanager
+async def running(**kw: Any) -> AsyncIterator[FakeUpstream]:
+    fake = FakeUpstream(**kw)
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="fast fake vLLM (wire only)")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--interval-ms", type=float, default=0.0)
+    args = parser.parse_args()
+
+    async def run() -> None:
+        fake = FakeUpstream(tokens=args.tokens, interval_s=args.interval_ms / 1000, record=False)
+        await fake.start(args.port)
+        print(fake.url, flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        import uvloop
+
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,457 @@
+"""Wiring: the gateway's state, its HTTP routes, and the request handler.
+
+The relayed endpoints are plain ASGI handlers dispatched by path before Starlette: every chunk of
+every stream passes through them, and each middleware layer would add a wrapped ``send`` per
+chunk. Starlette serves everything else (models, health, metrics, admin) and the lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from . import validate
+from .admission import Admission
+from .classify import Estimator, match_lane, profile_request
+from .config import Policy
+from .errors import GatewayError, MethodNotAllowed, NotFound, PayloadTooLarge, error_body
+from .fleet import Fleet, ReplicaState
+from .health import HealthMonitor
+from .metrics import Metrics
+from .relay import DROP_UPSTREAM, Call, Relay, make_client
+
+log = logging.getLogger("tokenlane")
+access_log = logging.getLogger("tokenlane.access")
+
+now = time.perf_counter
+
+# Relayed unchanged through the last lane (DESIGN 4.3).
+PASSTHROUGH_PATHS = (
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+    "/tokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
+_REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+class Gateway:
+    """Everything one gateway process holds; shared by the handlers, health and admin."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        environ: Mapping[str, str] | None = None,
+        policy_path: str | None = None,
+    ) -> None:
+        self.policy = policy
+        self.version = 1
+        self.policy_path = policy_path
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        self.metrics = Metrics()
+        self.fleet = Fleet(policy, self.environ)
+        self.estimator = Estimator.from_config(policy.estimate)
+        self.admission = Admission(self.fleet, self.metrics)
+        self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
+        self.client = make_client(policy)
+        self.health_client = make_client(policy)
+        self.relay = Relay(self, self.client)
+        self.health = HealthMonitor(
+            self.fleet, lambda: self.policy, self.health_client, self.metrics
+        )
+        self._label_cache: dict[tuple[str, ...], Any] = {}
+        for replica in self.fleet.replicas():
+            self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
+
+    async def reload(self) -> int:
+        """Load the policy file again and swap it in whole (hot reload lands with issue 6)."""
+        raise NotImplementedError("hot reload is not implemented yet")
+
+    async def start(self) -> None:
+        await self.health.start()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        await self.client.aclose()
+        await self.health_client.aclose()
+
+    def ready(self) -> tuple[bool, list[str]]:
+        """Every lane has a healthy replica in its pool or its ``spill_to`` pool."""
+        missing = []
+        for lane in self.policy.lanes:
+            pools = [lane.pool] + ([lane.spill_to] if lane.spill_to else [])
+            if not any(self.fleet.pools[p].has_healthy() for p in pools):
+                missing.append(lane.name)
+        return not missing, missing
+
+    # -- the one place a request's outcome is observed ------------------------------------
+
+    def observe(self, call: Call) -> None:
+        m = self.metrics
+        lane = call.lane.name
+        pool = call.pool or ""
+        replica = call.replica.name if call.replica is not None else ""
+        duration = now() - call.received_at
+        m.requests.labels(lane, pool, replica, str(call.status)).inc()
+        if call.pool:
+            m.duration.labels(lane, pool).observe(duration)
+            if call.ttft_s is not None:
+                m.ttft.labels(lane, pool).observe(call.ttft_s)
+        usage = call.usage
+        reported = usage.get("prompt_tokens") if usage else None
+        profile = call.profile
+        if profile is not None and call.pool:
+            m.prompt_tokens_estimated.labels(pool).inc(profile.prompt_tokens_est)
+            if isinstance(reported, int) and reported > 0:
+                m.prompt_tokens_reported.labels(pool).inc(reported)
+                self.estimator.observe(profile, reported)
+        completion = usage.get("completion_tokens") if usage else None
+        record = {
+            "ts": round(time.time(), 3),
+            "request_id": call.request_id,
+            "path": call.path,
+            "lane": lane,
+            "pool": call.pool,
+            "replica": replica or None,
+            "status": call.status,
+            "stream": call.stream,
+            "model": call.model,
+            "prompt_tokens_est": profile.prompt_tokens_est if profile else None,
+            "prompt_tokens": reported,
+            "output_tokens": completion,
+            "content_chunks": call.content_chunks if call.stream else None,
+            "queue_wait_ms": round(call.queue_wait_s * 1000, 2),
+            "ttft_ms": round(call.ttft_s * 1000, 2) if call.ttft_s is not None else None,
+            "duration_ms": round(duration * 1000, 2),
+            "retries": call.retries,
+            "error": call.error,
+            "client_disconnected": call.disconnected or None,
+        }
+        access_log.info(json.dumps(record, separators=(",", ":")))
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
+    """The whole request body, refused with 413 as soon as it passes ``limit``."""
+    if content_length is not None and content_length > limit:
+        raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def request_id_from(value: bytes | None) -> str:
+    if value and len(value) <= 128 and all(c in _REQUEST_ID_OK for c in value):
+        return value.decode()
+    return os.urandom(12).hex()
+
+
+async def send_error(send: Send, err: GatewayError, request_id: str | None = None) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for k, v in err.headers.items():
+        headers.append((k.encode(), v.encode()))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _listen_for_disconnect(receive: Receive, call: Call) -> None:
+    # uvicorn's send() silently does nothing once the client is gone, so the only way to learn
+    # of it is receive(); on a disconnect the handler task is cancelled, which closes the
+    # upstream connection and frees the replica's slot.
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not call.finished and call.task is not None:
+                call.disconnected = True
+                call.task.cancel("client disconnected")
+            return
+
+
+# ---------------------------------------------------------------------------- relayed endpoints
+
+
+class RelayEndpoint:
+    """POST handler for one relayed path: parse, check, classify, relay, observe."""
+
+    def __init__(self, gateway: Gateway, path: str, kind: str) -> None:
+        self.gw = gateway
+        self.path = path
+        self.kind = kind
+        self.check = {
+            "chat": validate.check_chat,
+            "completion": validate.check_completion,
+        }.get(kind)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received_at = now()
+        gw = self.gw
+        request_id: str | None = None
+        call: Call | None = None
+        listener: asyncio.Task[None] | None = None
+        try:
+            headers: list[tuple[bytes, bytes]] = []
+            content_length = None
+            rid = None
+            for k, v in scope["headers"]:
+                if k == b"x-request-id":
+                    rid = v
+                elif k == b"content-length":
+                    with contextlib.suppress(ValueError):
+                        content_length = int(v)
+                if k not in DROP_UPSTREAM:
+                    headers.append((k, v))
+            request_id = request_id_from(rid)
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
+            policy = gw.policy
+            raw = await read_body(receive, policy.server.max_body_bytes, content_length)
+            call = self._make_call(policy, raw, headers, request_id, received_at)
+            call.task = asyncio.current_task()
+            listener = asyncio.create_task(_listen_for_disconnect(receive, call))
+            try:
+                await gw.relay.run(call, send)
+            finally:
+                call.finished = True
+        except GatewayError as err:
+            if call is not None:
+                call.status = err.status
+                call.error = err.message
+            if call is None or not call.started:
+                await send_error(send, err, request_id)
+        except asyncio.CancelledError:
+            if call is not None and call.disconnected:
+                call.status = 499  # nginx's "client closed request", for logs and metrics
+            else:
+                raise
+        except Exception:
+            log.exception("unexpected error in %s", self.path)
+            if call is not None:
+                call.status = 500
+            if call is None or not call.started:
+                await send_error(
+                    send, GatewayError("internal error in the gateway; see its log"), request_id
+                )
+        finally:
+            if listener is not None:
+                listener.cancel()
+            if call is not None:
+                gw.observe(call)
+
+    def _make_call(
+        self,
+        policy: Policy,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        received_at: float,
+    ) -> Call:
+        gw = self.gw
+        profile = None
+        model = None
+        stream = False
+        wants_usage = False
+        if self.check is not None:
+            body = validate.parse_json_object(raw)
+            self.check(body)
+            model = body.get("model")
+            stream = validate.wants_stream(body)
+            wants_usage = stream and validate.wants_usage(body)
+            profile = profile_request(body, self.kind, gw.estimator, gw.max_prefix_chars)
+            lane = match_lane(profile, policy.lanes).lane
+        else:
+            lane = policy.lanes[-1]
+            if _is_json(headers) and raw:
+                with contextlib.suppress(Exception):
+                    body = validate.parse_json_object(raw)
+                    m = body.get("model")
+                    model = m if isinstance(m, str) else None
+        if model is not None and not gw.fleet.serves_model(model):
+            raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
+        return Call(
+            request_id=request_id,
+            kind=self.kind,
+            path=self.path,
+            body=raw,
+            headers=headers,
+            stream=stream,
+            model=model,
+            lane=lane,
+            profile=profile,
+            wants_usage=wants_usage,
+            received_at=received_at,
+        )
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    for k, v in headers:
+        if k == b"content-type":
+            return v.startswith(b"application/json")
+    return False
+
+
+# ---------------------------------------------------------------------------- other routes
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(data, status_code=status, headers=headers)
+
+
+def build_routes(gw: Gateway) -> list[Route]:
+    async def models(request: Request) -> Response:
+        return _json({"object": "list", "data": list(gw.fleet.models().values())})
+
+    async def model(request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        card = gw.fleet.models().get(model_id)
+        if card is None:
+            err = NotFound(f"The model `{model_id}` does not exist.", param="model", code=404)
+            return _json(err.body(), 404)
+        return _json(card)
+
+    async def health(request: Request) -> Response:
+        return _json({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        ok, missing = gw.ready()
+        if ok:
+            return _json({"status": "ready"})
+        return _json({"status": "not ready", "lanes_without_replica": missing}, 503)
+
+    async def metrics(request: Request) -> Response:
+        m = gw.metrics
+        for replica in gw.fleet.replicas():
+            m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
+            m.set_replica_state(replica.pool, replica.name, replica.state.value)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    try:
+        from .admin import admin_routes
+    except ImportError:  # the admin API lands with issue 4
+        pass
+    else:
+        routes.extend(admin_routes(gw))
+    return routes
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err: GatewayError = NotFound(f"no route for {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
+    else:
+        err = GatewayError(str(exc.detail))
+        err.status = exc.status_code
+    return _json(err.body(), err.status, err.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error in %s", request.url.path, exc_info=exc)
+    return _json(error_body("internal error in the gateway; see its log", "InternalServerError"), 500)
+
+
+class GatewayApp:
+    """The ASGI application: relayed paths first, Starlette for the rest."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.fast: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            "/v1/chat/completions": RelayEndpoint(gateway, "/v1/chat/completions", "chat"),
+            "/v1/completions": RelayEndpoint(gateway, "/v1/completions", "completion"),
+        }
+        for path in PASSTHROUGH_PATHS:
+            self.fast[path] = RelayEndpoint(gateway, path, "other")
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            await gateway.start()
+            # Everything allocated so far lives as long as the process: keep the collector
+            # from walking it on every full pass (a long pass stalls every stream at once).
+            gc.collect()
+            gc.freeze()
+            try:
+                yield
+            finally:
+                await gateway.stop()
+
+        self.starlette = Starlette(
+            routes=build_routes(gateway),
+            lifespan=lifespan,
+            exception_handlers={HTTPException: _http_error, Exception: _server_error},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self.fast.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.starlette(scope, receive, send)
+
+
+def create_app(
+    policy: Policy,
+    *,
+    environ: Mapping[str, str] | None = None,
+    policy_path: str | None = None,
+) -> GatewayApp:
+    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path))
+
+
+def configure_logging(level: str = "info") -> None:
+    """Access log lines are JSON written as they are; everything else gets a short prefix."""
+    root = logging.getLogger("tokenlane")
+    if root.handlers:
+        return
+    root.setLevel(level.upper())
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access_log.addHandler(handler)
+    access_log.propagate = False
+    other = logging.StreamHandler(sys.stderr)
+    other.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(other)

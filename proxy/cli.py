@@ -1,0 +1,142 @@
+"""``tokenlane serve / check / explain / sim / demo / loadtest`` (DESIGN 4.1)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import PolicyError, load_policy
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    try:
+        policy = load_policy(
+            args.config, overrides={"server.host": args.host, "server.port": args.port}
+        )
+    except PolicyError as exc:
+        _print_problems(args.config, exc)
+        return 1
+    return serve(policy, policy_path=str(args.config), log_level=args.log_level)
+
+
+def _print_problems(path: str, exc: PolicyError) -> None:
+    print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+    for problem in exc.problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.path)
+    except PolicyError as exc:
+        _print_problems(args.path, exc)
+        return 1
+    replicas = sum(len(p.replicas) for p in policy.pools.values())
+    print(
+        f"{args.path}: ok ({len(policy.pools)} pools, {replicas} replicas, "
+        f"{len(policy.lanes)} lanes)"
+    )
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .classify import explain_request
+
+    try:
+        policy = load_policy(args.config)
+    except PolicyError as exc:
+        _print_problems(args.config, exc)
+        return 1
+    try:
+        body: Any = json.loads(Path(args.request).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"{args.request}: cannot read a JSON request: {exc}", file=sys.stderr)
+        return 1
+    if not isinstance(body, dict):
+        print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
+        return 1
+    kind = args.kind or ("completion" if "prompt" in body and "messages" not in body else "chat")
+    result = explain_request(policy, body, kind, args.chars_per_token)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(_render_explanation(result))
+    return 0
+
+
+def _render_explanation(result: dict[str, Any]) -> str:
+    lines = []
+    for key, value in result.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines.extend(f"  {k}: {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            lines.append(f"{key}:")
+            lines.extend(f"  - {v}" for v in value)
+        else:
+            lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.policy, port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenlane", description="A latency-aware gateway in front of vLLM replicas."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway with a policy file")
+    p.add_argument("--config", required=True, help="policy YAML")
+    p.add_argument("--host", default=None, help="overrides server.host")
+    p.add_argument("--port", type=int, default=None, help="overrides server.port")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("check", help="validate a policy file")
+    p.add_argument("path")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("explain", help="show how a request would be routed (no network)")
+    p.add_argument("--config", required=True)
+    p.add_argument("request", help="a JSON request body")
+    p.add_argument("--chars-per-token", type=float, default=None)
+    p.add_argument("--kind", choices=["chat", "completion"], default=None)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_explain)
+
+    p = sub.add_parser("demo", help="a simulated fleet and a gateway on this machine")
+    p.add_argument("--policy", default=None, help="demo policy (default: the embedded one)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 8080)")
+    p.set_defaults(func=_demo)
+
+    # `sim` and `loadtest` take their own arguments; they are dispatched before parsing.
+    sub.add_parser("sim", help="one simulated vLLM replica", add_help=False)
+    sub.add_parser("loadtest", help="replay a trace or scenario against a URL", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "sim":
+        from loadtest.sim.cli import main as sim_main
+
+        return sim_main(args_list[1:])
+    if args_list and args_list[0] == "loadtest":
+        from loadtest.runner import main as loadtest_main
+
+        return loadtest_main(args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    result: int = args.func(args)
+    return result

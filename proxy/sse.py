@@ -1,0 +1,110 @@
+"""Reading vLLM's server-sent events without changing them.
+
+The relay forwards upstream bytes as they come; it only *looks* at events while it holds the
+start of a stream (to find the first chunk that carries content, or an error event before it)
+and at the tail (for ``usage``). Events are ``data: <json>\\n\\n``; vLLM writes chunks as compact
+JSON but error events with spaces, so events are parsed, never matched byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = b"[DONE]"
+_DELTA_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "audio")
+
+
+class EventBuffer:
+    """Splits a byte stream into complete SSE events; keeps the unfinished rest."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self._rest + chunk if self._rest else chunk
+        # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
+        if b"\r\n" in data:
+            data = data.replace(b"\r\n", b"\n")
+        parts = data.split(b"\n\n")
+        self._rest = parts.pop()
+        return parts
+
+    @property
+    def pending(self) -> bytes:
+        return self._rest
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The payload of an event's ``data:`` lines (joined by newlines), or None for comments."""
+    lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(lines)
+
+
+def parse_event(event: bytes) -> Any:
+    """The JSON object in an event; ``DONE`` for ``[DONE]``; None when there is none."""
+    data = event_data(event)
+    if data is None:
+        return None
+    if data.strip() == DONE:
+        return DONE
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def carries_content(obj: Any) -> bool:
+    """True when a chunk carries text, a tool call or audio: the moment TTFT is measured."""
+    if not isinstance(obj, dict):
+        return False
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        text = choice.get("text")  # completions
+        if isinstance(text, str) and text:
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for key in _DELTA_CONTENT_KEYS:
+                if delta.get(key):
+                    return True
+    return False
+
+
+def is_error(obj: Any) -> bool:
+    return isinstance(obj, dict) and "error" in obj and "choices" not in obj
+
+
+def usage_of(obj: Any) -> dict[str, Any] | None:
+    if isinstance(obj, dict):
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def last_usage(tail: bytes) -> dict[str, Any] | None:
+    """``usage`` from the last events of a stream (vLLM sends it just before ``[DONE]``)."""
+    idx = tail.rfind(b'"usage"')
+    if idx < 0:
+        return None
+    start = tail.rfind(b"data:", 0, idx)
+    end = tail.find(b"\n\n", idx)
+    if start < 0:
+        return None
+    obj = parse_event(tail[start : end if end >= 0 else len(tail)])
+    return usage_of(obj)
+
+
+def error_event(message: str, type_: str = "ServiceUnavailableError", code: int = 503) -> bytes:
+    """An OpenAI-shaped error event followed by ``[DONE]``, as vLLM ends a failed stream."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,86 @@
+"""Parse and check a request body before it costs a replica anything.
+
+Only what the gateway itself relies on is checked (the fields it classifies and routes by);
+everything else is vLLM's to judge, and the body is forwarded byte for byte either way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import BadRequest
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or ``BadRequest`` naming what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"`{name}` must be an integer", param=name)
+    if value < minimum:
+        raise BadRequest(f"`{name}` must be at least {minimum}, got {value}", param=name)
+
+
+def _common(body: dict[str, Any]) -> None:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a boolean", param="stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("`model` must be a string", param="model")
+    _int_field(body, "max_tokens", 0)
+    _int_field(body, "max_completion_tokens", 0)
+    _int_field(body, "n", 1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object", param="stream_options")
+
+
+def check_chat(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest("`messages` is required", param="messages")
+    if not isinstance(messages, list):
+        raise BadRequest("`messages` must be a list of messages", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"`messages[{i}]` must be an object", param="messages")
+    _common(body)
+
+
+def check_completion(body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("`prompt` is required", param="prompt")
+    if not isinstance(prompt, (str, list)):
+        raise BadRequest(
+            "`prompt` must be a string, a list of strings or a list of token ids", param="prompt"
+        )
+    _common(body)
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
