@@ -9,6 +9,10 @@ keep-alive, vLLM's chunk format (``tests/fixtures/vllm_chat_stream.txt``). Two m
   holds the writer back (backpressure is visible in ``stats``).
 
 It records what it received (headers, bodies) and every connection that closed mid-response.
+Faults for relay tests: ``fail_status`` (answer every request with that status),
+``first_token_delay_s`` (send the role chunk, then wait), ``cut_after`` (close the connection
+after that many content chunks). A request may set its own pacing with the extra body fields
+``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown fields unchanged).
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 class FakeStats:
     requests: int = 0
     disconnects: int = 0  # connections closed by the peer before the response ended
-    drain_waits: int = 0  # writes that had to wait for the reader (backpressure)
+    drain_waits: int = 0  # writes held back by a slow reader (backpressure)
+    bytes_written: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected_at: list[float] = field(default_factory=list)
 
 
 def _chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
+    """One chat chunk as vLLM writes it (compact JSON); ``i == 0`` is the role-only chunk."""
     delta: dict[str, Any] = {"content": content} if content is not None else {}
     if i == 0:
         delta = {"role": "assistant", "content": ""}
@@ -49,10 +55,15 @@ def _chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def stream_events(tokens: int, usage: bool = False) -> list[bytes]:
+def stream_events(tokens: int, usage: bool = False, token_bytes: int = 0) -> list[bytes]:
     """The events of a chat stream: role chunk, ``tokens`` content chunks, finish, [DONE]."""
     events = [_chunk(0, None)]
-    events += [_chunk(i + 1, f" tok{i}") for i in range(tokens)]
+    if token_bytes:
+        # Big test streams: one shared event object, so a 100 MB stream costs no memory here.
+        big = _chunk(1, "x" * token_bytes)
+        events += [big] * tokens
+    else:
+        events += [_chunk(i + 1, f" tok{i}") for i in range(tokens)]
     events.append(_chunk(tokens + 1, "", "length"))
     if usage:
         u = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
@@ -88,7 +99,11 @@ class FakeUpstream:
         self.interval_s = interval_s
         self.record = record
         self.stats = FakeStats()
+        self.fail_status: int | None = None
+        self.first_token_delay_s = 0.0
+        self.cut_after: int | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
 
     @property
@@ -100,12 +115,16 @@ class FakeUpstream:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        """Stop listening and close open connections: new connections are refused."""
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):
+                writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -119,10 +138,23 @@ class FakeUpstream:
                 length = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(length) if length else b""
                 await self._respond(method, path, headers, body, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
+
+    def _metrics(self) -> bytes:
+        # Enough of vLLM's scrape for a health checker: it is never stalled, since the
+        # generation counter moves with every request answered.
+        label = f'{{engine="0",model_name="{MODEL}"}}'
+        return (
+            f"vllm:num_requests_running{label} 0.0\n"
+            f"vllm:num_requests_waiting{label} 0.0\n"
+            f"vllm:kv_cache_usage_perc{label} 0.0\n"
+            f"vllm:prompt_tokens_total{label} {10.0 * self.stats.requests}\n"
+            f"vllm:generation_tokens_total{label} {float(self.stats.requests)}\n"
+        ).encode()
 
     async def _respond(
         self, method: str, path: str, headers: dict[str, str], raw: bytes, w: asyncio.StreamWriter
@@ -134,11 +166,22 @@ class FakeUpstream:
             w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
                     b"\r\n\r\n%s" % (len(_MODELS), _MODELS))  # fmt: skip
             return
+        if path == "/metrics":
+            text = self._metrics()
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(text), text))  # fmt: skip
+            return
         self.stats.requests += 1
         body: dict[str, Any] = json.loads(raw) if raw else {}
         if self.record:
             self.stats.bodies.append(body)
             self.stats.headers.append(headers)
+        if self.fail_status is not None:
+            payload = json.dumps({"error": {"message": "fake failure", "type": "Error",
+                                            "param": None, "code": self.fail_status}}).encode()
+            w.write(b"HTTP/1.1 %d Fail\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (self.fail_status, len(payload), payload))
+            return  # fmt: skip
         tokens = int(body.get("max_tokens") or self.tokens)
         if not body.get("stream"):
             payload = _plain(tokens)
@@ -146,20 +189,28 @@ class FakeUpstream:
                     b"\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = stream_events(tokens, usage)
+        events = stream_events(tokens, usage, int(body.get("fake_token_bytes") or 0))
+        interval = float(body.get("fake_interval_ms", self.interval_s * 1000)) / 1000
+        paced = interval > 0 or "fake_interval_ms" in body
         w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                 b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
         try:
-            if self.interval_s <= 0:
+            if not paced and not self.first_token_delay_s and self.cut_after is None:
                 data = b"".join(events)
                 w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
                 return
             for i, event in enumerate(events):
-                if i > 1 and event is not events[-1]:
-                    await asyncio.sleep(self.interval_s)
+                if i == 1 and self.first_token_delay_s:
+                    await asyncio.sleep(self.first_token_delay_s)
+                elif i > 1 and event is not events[-1] and interval > 0:
+                    await asyncio.sleep(interval)
+                if self.cut_after is not None and i > self.cut_after:
+                    w.transport.abort()
+                    raise ConnectionResetError("cut by the fake")
                 w.write(b"%x\r\n%s\r\n" % (len(event), event))
-                if w.transport.get_write_buffer_size() > 0:
-                    self.stats.drain_waits += 1
+                self.stats.bytes_written += len(event)
+                if w.transport.get_write_buffer_size() > 65536:
+                    self.stats.drain_waits += 1  # above the high-water mark: drain() waits
                 await w.drain()
                 if w.transport.is_closing():
                     raise ConnectionResetError

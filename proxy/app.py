@@ -302,7 +302,14 @@ class RelayEndpoint:
                     body = validate.parse_json_object(raw)
                     m = body.get("model")
                     model = m if isinstance(m, str) else None
-        if model is not None and not gw.fleet.serves_model(model):
+        # Until some replica has told its models, nobody can say a model is unknown: such a
+        # request waits for a replica like any other (and gets 503 when there is none).
+        fleet = gw.fleet
+        if (
+            model is not None
+            and not fleet.serves_model(model)
+            and any(r.models for r in fleet.replicas())
+        ):
             raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
         return Call(
             request_id=request_id,

@@ -24,6 +24,7 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from . import balance, sse
+from .classify import affinity_key
 from .errors import Rejected, UpstreamFailed
 from .fleet import Replica
 
@@ -168,7 +169,7 @@ class Relay:
             key = None
             cfg = pool.config
             if cfg.balance == "prefix_affinity" and call.profile is not None:
-                key = call.profile.prompt_head[: cfg.prefix_chars]
+                key = affinity_key(call.profile, cfg.prefix_chars)
             choice = balance.pick(
                 cfg.balance,
                 cands,
@@ -177,7 +178,8 @@ class Relay:
                 rr_index=pool.rr_counter,
                 bounded_load=cfg.bounded_load,
             )
-            pool.rr_counter += 1
+            if not call.tried:  # round robin advances once per request, not per retry
+                pool.rr_counter += 1
             if choice is not None:
                 if pool_name != lane.pool:
                     self.gw.metrics.spills.labels(lane.name, lane.pool, pool_name).inc()

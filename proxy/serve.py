@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
+import socket
+
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .app import configure_logging, create_app
 from .config import Policy
@@ -20,13 +24,26 @@ def tune_gc() -> None:
     gc.set_threshold(max(gen0, 50_000), gen1, gen2)
 
 
+class NoDelayHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection: neither
+    asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
+    until the previous one is acknowledged."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)
+
+
 def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=NoDelayHttpToolsProtocol,
         lifespan="on",
         access_log=False,  # the gateway writes its own JSON access log
         log_level="warning",
@@ -59,4 +76,4 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
     return 0
 
 
-__all__ = ["serve", "tune_gc", "uvicorn_config"]
+__all__ = ["NoDelayHttpToolsProtocol", "serve", "tune_gc", "uvicorn_config"]

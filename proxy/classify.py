@@ -1,0 +1,608 @@
+"""What a request costs and which lane it belongs to (DESIGN 5: token estimation, lanes).
+
+Pure functions over the parsed body; no I/O. This runs for every request, so it walks the body
+once, counts characters with ``len`` (O(1) on ``str``), and never serialises the body: only
+``tools`` are dumped to JSON, because that is how a chat template renders them.
+
+Estimate of prompt tokens::
+
+    ceil(text_chars / chars_per_token)            # message text, tool calls, tool definitions
+    + 4 per message + 3                           # chat template framing and the reply primer
+    + image_tokens per image part                 # estimate.image_tokens
+    + VIDEO_IMAGES * image_tokens per video part
+    + audio tokens per audio part                 # see _audio_tokens
+    + exact count of token-id prompts             # completions with ids need no estimate
+
+``chars_per_token`` starts at ``estimate.chars_per_token`` and is learned per model from the
+``usage.prompt_tokens`` that replicas report (``Estimator.observe``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from fnmatch import translate
+from re import compile as re_compile
+from typing import Any, Literal
+
+from .balance import rendezvous_order
+from .config import EstimateConfig, LaneConfig, Policy
+
+__all__ = [
+    "Estimator",
+    "LaneMatch",
+    "NoLaneMatched",
+    "Profile",
+    "affinity_key",
+    "explain_request",
+    "match_lane",
+    "max_prefix_chars",
+    "output_tokens_for",
+    "profile_request",
+]
+
+Kind = Literal["chat", "completion"]
+
+# Chat templates wrap each message in a few special tokens (ChatML: "<|im_start|>role\n...
+# <|im_end|>\n" is 4-5) and end with the assistant's opening; OpenAI's cookbook counts 3 + 3.
+MESSAGE_OVERHEAD_TOKENS = 4
+CHAT_OVERHEAD_TOKENS = 3
+# A text prompt to /v1/completions gets a BOS token from most tokenizers.
+COMPLETION_PROMPT_OVERHEAD_TOKENS = 1
+
+# Audio: encoders behind vLLM's audio models emit ~25 tokens per second (Whisper's 50 frames/s
+# pooled by 2, as in Qwen2-Audio). Duration is guessed from the encoded size at 16 kB/s
+# (128 kbit/s MP3, or 8 kHz 16-bit WAV): 16 kHz WAV is over-counted 2x, which errs towards the
+# "long" lanes, the safe side. A base64 character carries 3/4 of a byte, so one token per
+# ~853 base64 characters. An audio part given only by URL counts as Whisper's 30 s window.
+AUDIO_TOKENS_PER_S = 25
+AUDIO_BYTES_PER_S = 16_000
+AUDIO_URL_TOKENS = 30 * AUDIO_TOKENS_PER_S
+# A video part counts as this many images (a few sampled frames); its real cost is unknowable
+# without decoding it, and a low guess would put it on a latency lane.
+VIDEO_IMAGES = 8
+
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds"})
+_AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
+_VIDEO_PARTS = frozenset({"video_url", "video"})
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """What the router knows about a request before choosing where it goes."""
+
+    kind: Kind
+    model: str | None
+    stream: bool
+    prompt_chars: int  # text characters counted for the estimate (tool definitions included)
+    prompt_tokens_est: int
+    output_tokens: int | None  # request's max x n x batch; None when it names no max
+    n: int
+    images: int
+    prompt_head: str  # start of the rendered prompt: the prefix-affinity key (see affinity_key)
+    batch: int = 1  # prompts in a /v1/completions batch; each generates n sequences
+    audios: int = 0
+    videos: int = 0
+    # The part of prompt_tokens_est not derived from characters (template framing, media,
+    # token-id prompts): what the learner subtracts from reported usage.
+    fixed_tokens: int = 0
+
+
+class Estimator:
+    """Characters-per-token ratios, learned per model from reported usage.
+
+    Each observation's ratio is clamped to [min_ratio, max_ratio] and folded in by an
+    exponentially weighted moving average, so one odd response (a prompt of emoji, a truncated
+    prompt) moves the estimate a little and never to nonsense. Requests whose cost is dominated
+    by guesses (images, audio, video) or that are too short to measure are not learned from.
+    """
+
+    __slots__ = (
+        "_default",
+        "_ratios",
+        "alpha",
+        "image_tokens",
+        "max_models",
+        "max_ratio",
+        "min_chars",
+        "min_ratio",
+    )
+
+    def __init__(
+        self,
+        chars_per_token: float = 4.0,
+        image_tokens: int = 576,
+        *,
+        alpha: float = 0.1,
+        min_ratio: float = 1.5,
+        max_ratio: float = 8.0,
+        min_chars: int = 200,
+        max_models: int = 1024,
+    ) -> None:
+        if chars_per_token <= 0:
+            raise ValueError("chars_per_token must be positive")
+        self._default = chars_per_token
+        self.image_tokens = image_tokens
+        self.alpha = alpha
+        self.min_ratio = min_ratio
+        self.max_ratio = max_ratio
+        self.min_chars = min_chars
+        self.max_models = max_models
+        self._ratios: dict[str | None, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg: EstimateConfig) -> Estimator:
+        return cls(cfg.chars_per_token, cfg.image_tokens)
+
+    def configure(self, cfg: EstimateConfig) -> None:
+        """Apply a reloaded ``estimate`` section, keeping what was learned."""
+        self._default = cfg.chars_per_token
+        self.image_tokens = cfg.image_tokens
+
+    def ratio(self, model: str | None) -> float:
+        """Characters per token for ``model``: learned, else the configured start."""
+        return self._ratios.get(model, self._default)
+
+    def learned(self) -> dict[str | None, float]:
+        return dict(self._ratios)
+
+    def observe_usage(
+        self,
+        model: str | None,
+        prompt_chars: int,
+        reported_prompt_tokens: int,
+        fixed_tokens: int = 0,
+    ) -> None:
+        """Fold one response's ``usage.prompt_tokens`` into ``model``'s ratio.
+
+        ``fixed_tokens`` is the part of the prompt not made of counted characters (template
+        framing, token ids); it is subtracted so that only text informs the ratio.
+        """
+        if prompt_chars < self.min_chars:
+            return
+        text_tokens = reported_prompt_tokens - fixed_tokens
+        if text_tokens <= 0:
+            return
+        sample = prompt_chars / text_tokens
+        if sample < self.min_ratio:
+            sample = self.min_ratio
+        elif sample > self.max_ratio:
+            sample = self.max_ratio
+        current = self._ratios.get(model)
+        if current is None:
+            if len(self._ratios) >= self.max_models:
+                return  # bounded memory; a client cannot grow this with made-up model names
+            current = self._default
+        self._ratios[model] = current + self.alpha * (sample - current)
+
+    def observe(self, profile: Profile, reported_prompt_tokens: int) -> None:
+        """``observe_usage`` for a profiled request; skips requests whose cost is mostly guessed."""
+        if profile.images or profile.audios or profile.videos:
+            return
+        self.observe_usage(
+            profile.model, profile.prompt_chars, reported_prompt_tokens, profile.fixed_tokens
+        )
+
+
+# ------------------------------------------------------------------------------ profiling
+
+
+def _audio_tokens(part: dict[str, Any]) -> int:
+    """Tokens of one audio part from its encoded size (see AUDIO_* above)."""
+    data: Any = None
+    inner = part.get("input_audio")
+    if isinstance(inner, dict):
+        data = inner.get("data")
+    else:
+        inner = part.get("audio_url")
+        if isinstance(inner, dict):
+            url = inner.get("url")
+            if type(url) is str and url.startswith("data:"):
+                data = url
+    if type(data) is not str:
+        return AUDIO_URL_TOKENS
+    seconds = len(data) * 0.75 / AUDIO_BYTES_PER_S
+    return max(1, math.ceil(seconds * AUDIO_TOKENS_PER_S))
+
+
+def _tool_calls_chars(tool_calls: list[Any]) -> int:
+    """Characters of an assistant message's tool calls (function names and JSON arguments)."""
+    chars = 0
+    for call in tool_calls:
+        if type(call) is not dict:
+            continue
+        fn = call.get("function")
+        if type(fn) is dict:
+            name = fn.get("name")
+            args = fn.get("arguments")
+            if type(name) is str:
+                chars += len(name)
+            if type(args) is str:
+                chars += len(args)
+    return chars
+
+
+def _json_chars(value: Any) -> int:
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):  # not from JSON (a caller's own object): count its repr
+        return len(str(value))
+
+
+def _profile_chat(
+    body: dict[str, Any], max_prefix_chars: int
+) -> tuple[int, int, int, int, int, int, str]:
+    """(chars, messages, images, audio parts, audio tokens, videos, head) of a chat body.
+
+    The head renders messages in order as ``role\\ncontent\\n`` (text parts only), so requests
+    that share a system prompt share a head whatever follows it.
+    """
+    chars = nmsg = images = audios = audio_tokens = videos = 0
+    head: list[str] = []
+    room = max_prefix_chars  # characters of head still wanted; pieces are cut to fit
+    messages = body.get("messages")
+    if type(messages) is not list:
+        messages = []
+    for msg in messages:
+        if type(msg) is not dict:
+            continue
+        nmsg += 1
+        if room > 0:
+            role = msg.get("role")
+            piece = f"{role}\n" if type(role) is str else "\n"
+            head.append(piece[:room])
+            room -= len(piece)
+        content = msg.get("content")
+        if type(content) is str:
+            chars += len(content)
+            if room > 0:
+                head.append(content[:room])
+                room -= len(content)
+        elif type(content) is list:
+            for part in content:
+                if type(part) is dict:
+                    text = part.get("text")
+                    if type(text) is str:
+                        chars += len(text)
+                        if room > 0:
+                            head.append(text[:room])
+                            room -= len(text)
+                        continue
+                    ptype = part.get("type")
+                    if ptype in _IMAGE_PARTS:
+                        images += 1
+                    elif ptype in _AUDIO_PARTS:
+                        audios += 1
+                        audio_tokens += _audio_tokens(part)
+                    elif ptype in _VIDEO_PARTS:
+                        videos += 1
+                elif type(part) is str:
+                    chars += len(part)
+                    if room > 0:
+                        head.append(part[:room])
+                        room -= len(part)
+        tool_calls = msg.get("tool_calls")
+        if type(tool_calls) is list:
+            chars += _tool_calls_chars(tool_calls)
+        if room > 0:
+            head.append("\n")
+            room -= 1
+    tools = body.get("tools")
+    if tools:
+        chars += _json_chars(tools)
+    functions = body.get("functions")  # the deprecated spelling of tools
+    if functions:
+        chars += _json_chars(functions)
+    return chars, nmsg, images, audios, audio_tokens, videos, "".join(head)
+
+
+def _ids_head(ids: list[Any], max_prefix_chars: int) -> str:
+    # About the token span of a text head (~4 characters a token), written as decimal text.
+    # repr of the slice is the cheapest rendering (C); joining str()s costs twice as much.
+    return repr(ids[: max_prefix_chars // 4 + 1])[1:-1][:max_prefix_chars]
+
+
+def _profile_completion(body: dict[str, Any], max_prefix_chars: int) -> tuple[int, int, int, str]:
+    """(chars, exact tokens, batch, head) of a completions body.
+
+    ``prompt`` is a string, a list of strings (a batch), a list of token ids, or a list of
+    id lists (a batch); the head is taken from the first prompt.
+    """
+    prompt = body.get("prompt")
+    if type(prompt) is str:
+        return len(prompt), 0, 1, prompt[:max_prefix_chars]
+    if type(prompt) is not list or not prompt:
+        return 0, 0, 1, ""
+    if type(prompt[0]) is int:  # one prompt as token ids: its length is exact
+        return 0, len(prompt), 1, _ids_head(prompt, max_prefix_chars)
+    chars = exact = batch = 0
+    head = ""
+    for item in prompt:
+        if type(item) is str:
+            if not batch:
+                head = item[:max_prefix_chars]
+            chars += len(item)
+        elif type(item) is list:
+            if not batch:
+                head = _ids_head(item, max_prefix_chars)
+            exact += len(item)
+        else:
+            continue
+        batch += 1
+    return chars, exact, max(batch, 1), head
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    # max_completion_tokens supersedes max_tokens (OpenAI deprecated the latter for chat).
+    # ``type(x) is int`` keeps booleans out.
+    value = body.get("max_completion_tokens")
+    if type(value) is int and value >= 0:
+        return value
+    value = body.get("max_tokens")
+    if type(value) is int and value >= 0:
+        return value
+    return None
+
+
+def profile_request(
+    body: dict[str, Any], kind: str, estimator: Estimator, max_prefix_chars: int
+) -> Profile:
+    """Profile a validated chat (``kind="chat"``) or completions (``"completion"``) body.
+
+    Odd values the validator let through (non-string parts, unknown part types) are skipped:
+    what is countable is counted, nothing raises. ``max_prefix_chars`` bounds the head; give
+    the largest ``prefix_chars`` of any pool (``max_prefix_chars(policy)``), since the lane and
+    so the pool are not known yet.
+    """
+    model = body.get("model")
+    if type(model) is not str:
+        model = None
+    n = body.get("n")
+    if type(n) is not int or n < 1:
+        n = 1
+    ratio = estimator.ratio(model)
+    images = audios = videos = 0
+    batch = 1
+    if kind == "chat":
+        chars, nmsg, images, audios, audio_tokens, videos, head = _profile_chat(
+            body, max_prefix_chars
+        )
+        fixed = (
+            MESSAGE_OVERHEAD_TOKENS * nmsg
+            + CHAT_OVERHEAD_TOKENS
+            + estimator.image_tokens * (images + VIDEO_IMAGES * videos)
+            + audio_tokens
+        )
+    elif kind == "completion":
+        chars, exact, batch, head = _profile_completion(body, max_prefix_chars)
+        text_prompts = batch if chars else 0
+        fixed = exact + COMPLETION_PROMPT_OVERHEAD_TOKENS * text_prompts
+    else:
+        raise ValueError(f"unknown request kind {kind!r}; expected 'chat' or 'completion'")
+    max_tokens = _max_tokens(body)
+    return Profile(
+        kind=kind,
+        model=model,
+        stream=body.get("stream") is True,
+        prompt_chars=chars,
+        prompt_tokens_est=math.ceil(chars / ratio) + fixed,
+        output_tokens=None if max_tokens is None else max_tokens * n * batch,
+        n=n,
+        images=images,
+        prompt_head=head,
+        batch=batch,
+        audios=audios,
+        videos=videos,
+        fixed_tokens=fixed,
+    )
+
+
+def output_tokens_for(profile: Profile, lane: LaneConfig) -> int | None:
+    """The request's output tokens, else the lane's ``default_output_tokens`` x n x batch."""
+    if profile.output_tokens is not None:
+        return profile.output_tokens
+    default = lane.default_output_tokens
+    if default is None:
+        return None
+    return default * profile.n * profile.batch
+
+
+def max_prefix_chars(policy: Policy) -> int:
+    """How much head to render: enough for the pool with the longest ``prefix_chars``."""
+    return max(pool.prefix_chars for pool in policy.pools.values())
+
+
+def affinity_key(profile: Profile, prefix_chars: int) -> str | None:
+    """The pool's prefix-affinity key: the first ``prefix_chars`` of the head; None if empty."""
+    head = profile.prompt_head
+    if not head:
+        return None
+    return head if len(head) <= prefix_chars else head[:prefix_chars]
+
+
+# ------------------------------------------------------------------------------ lanes
+
+
+class NoLaneMatched(LookupError):
+    """No lane's `when` held. A validated policy cannot get here: its last lane has no `when`."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneMatch:
+    lane: LaneConfig
+    index: int
+    reasons: list[str]  # why this lane, and why each earlier one was skipped; explain only
+
+
+_glob_cache: dict[str, Any] = {}
+
+
+def _glob_match(pattern: str, model: str) -> bool:
+    """Case-sensitive glob (model ids are), compiled once per pattern."""
+    matcher = _glob_cache.get(pattern)
+    if matcher is None:
+        if len(_glob_cache) > 1024:  # patterns come from the policy; this only bounds reloads
+            _glob_cache.clear()
+        matcher = _glob_cache[pattern] = re_compile(translate(pattern)).match
+    return matcher(model) is not None
+
+
+def _lane_holds(lane: LaneConfig, profile: Profile) -> bool:
+    """Whether ``lane.when`` holds: the hot path, stopping at the first failed condition."""
+    when = lane.when
+    if when is None:
+        return True
+    if when.stream is not None and profile.stream is not when.stream:
+        return False
+    est = profile.prompt_tokens_est
+    if when.prompt_tokens_min is not None and est < when.prompt_tokens_min:
+        return False
+    if when.prompt_tokens_max is not None and est > when.prompt_tokens_max:
+        return False
+    if when.output_tokens_max is not None:
+        out = output_tokens_for(profile, lane)
+        if out is None or out > when.output_tokens_max:
+            return False
+    if when.model is not None:
+        return profile.model is not None and _glob_match(when.model, profile.model)
+    return True
+
+
+def _lane_conditions(lane: LaneConfig, profile: Profile) -> list[tuple[bool, str]]:
+    """Every condition of ``lane.when`` as (held, reason): ``_lane_holds`` spelled out for
+    ``explain``. The two must agree; a test checks that they do."""
+    when = lane.when
+    if when is None:
+        return [(True, "no `when`: takes every request left")]
+    out: list[tuple[bool, str]] = []
+    if when.stream is not None:
+        got, want = _b(profile.stream), _b(when.stream)
+        if profile.stream is when.stream:
+            out.append((True, f"stream={got} matches"))
+        else:
+            out.append((False, f"stream={got}, lane wants stream={want}"))
+    est = profile.prompt_tokens_est
+    if when.prompt_tokens_min is not None:
+        lo = when.prompt_tokens_min
+        if est >= lo:
+            out.append((True, f"prompt_tokens_est {est} >= prompt_tokens_min {lo}"))
+        else:
+            out.append((False, f"prompt_tokens_est {est} < prompt_tokens_min {lo}"))
+    if when.prompt_tokens_max is not None:
+        hi = when.prompt_tokens_max
+        if est <= hi:
+            out.append((True, f"prompt_tokens_est {est} <= prompt_tokens_max {hi}"))
+        else:
+            out.append((False, f"prompt_tokens_est {est} > prompt_tokens_max {hi}"))
+    if when.output_tokens_max is not None:
+        hi = when.output_tokens_max
+        tokens = output_tokens_for(profile, lane)
+        if tokens is None:
+            out.append(
+                (
+                    False,
+                    "no max tokens in the request and no default_output_tokens: "
+                    "never matches output_tokens_max",
+                )
+            )
+        elif tokens <= hi:
+            out.append((True, f"output_tokens {tokens} <= output_tokens_max {hi}"))
+        else:
+            out.append((False, f"output_tokens {tokens} > output_tokens_max {hi}"))
+    if when.model is not None:
+        model = profile.model
+        if model is None:
+            out.append((False, f"request names no model; lane wants {when.model!r}"))
+        elif _glob_match(when.model, model):
+            out.append((True, f"model {model!r} matches {when.model!r}"))
+        else:
+            out.append((False, f"model {model!r} does not match {when.model!r}"))
+    return out
+
+
+def _b(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def match_lane(
+    profile: Profile, lanes: Sequence[LaneConfig], *, explain: bool = False
+) -> LaneMatch:
+    """The first lane whose ``when`` holds; the last lane (no ``when``) takes the rest.
+
+    With ``explain`` the match carries readable reasons: for each skipped lane every condition
+    that failed, for the chosen lane every condition that held.
+    """
+    if not explain:
+        for index, lane in enumerate(lanes):
+            if _lane_holds(lane, profile):
+                return LaneMatch(lane, index, [])
+        raise NoLaneMatched("no lane matches the request and no lane is a catch-all")
+    reasons: list[str] = []
+    for index, lane in enumerate(lanes):
+        conditions = _lane_conditions(lane, profile)
+        if all(held for held, _ in conditions):
+            reasons.extend(f"lanes[{index}] {lane.name!r} chosen: {why}" for _, why in conditions)
+            return LaneMatch(lane, index, reasons)
+        reasons.extend(
+            f"lanes[{index}] {lane.name!r} skipped: {why}" for held, why in conditions if not held
+        )
+    raise NoLaneMatched("no lane matches the request and no lane is a catch-all")
+
+
+# ------------------------------------------------------------------------------ explain
+
+
+def explain_request(
+    policy: Policy, body: dict[str, Any], kind: str, chars_per_token: float | None = None
+) -> dict[str, Any]:
+    """What ``tokenlane explain`` prints: the profile, the lane and why, the candidates.
+
+    No network: candidates are the replicas the policy lists for the lane's pool and its
+    ``spill_to`` pool, whatever their health. For a ``prefix_affinity`` pool they are listed
+    in the order the key tries them (their loads unknown here, so the bound is not applied).
+    """
+    cfg = policy.estimate
+    estimator = Estimator(
+        cfg.chars_per_token if chars_per_token is None else chars_per_token, cfg.image_tokens
+    )
+    profile = profile_request(body, kind, estimator, max_prefix_chars(policy))
+    match = match_lane(profile, policy.lanes, explain=True)
+    lane = match.lane
+    candidates: list[dict[str, Any]] = []
+    for role, pool_name in (("pool", lane.pool), ("spill_to", lane.spill_to)):
+        if pool_name is None:
+            continue
+        pool = policy.pools[pool_name]
+        replicas = list(pool.replicas)
+        key = affinity_key(profile, pool.prefix_chars)
+        if pool.balance == "prefix_affinity" and key is not None:
+            rank = {
+                name: i for i, name in enumerate(rendezvous_order(key, [r.label for r in replicas]))
+            }
+            replicas.sort(key=lambda r: rank[r.label])
+        for replica in replicas:
+            candidates.append(
+                {
+                    "pool": pool_name,
+                    "role": role,
+                    "balance": pool.balance,
+                    "name": replica.label,
+                    "url": replica.url,
+                    "max_in_flight": replica.max_in_flight,
+                }
+            )
+    return {
+        "profile": asdict(profile),
+        "chars_per_token": estimator.ratio(profile.model),
+        "lane": {
+            "index": match.index,
+            "name": lane.name,
+            "pool": lane.pool,
+            "spill_to": lane.spill_to,
+            "output_tokens": output_tokens_for(profile, lane),
+        },
+        "reasons": match.reasons,
+        "candidates": candidates,
+    }

@@ -1,0 +1,101 @@
+"""Starting a gateway for tests: in this event loop over a real socket, or as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from proxy.app import GatewayApp, create_app
+from proxy.config import Policy, build_policy
+from proxy.serve import NoDelayHttpToolsProtocol
+
+from .servers import free_port, run_process, serve_app
+
+
+def policy_for(
+    pools: dict[str, Sequence[str]],
+    *,
+    lanes: list[dict[str, Any]] | None = None,
+    balance: str = "round_robin",
+    **sections: Any,
+) -> dict[str, Any]:
+    """A policy as plain data: ``pools`` maps pool name to replica URLs; one catch-all lane on
+    the first pool unless ``lanes`` are given. Health probes fast so tests start quickly."""
+    data: dict[str, Any] = {
+        "pools": {
+            name: {"balance": balance, "replicas": [{"url": u} for u in urls]}
+            for name, urls in pools.items()
+        },
+        "lanes": lanes or [{"name": "all", "pool": next(iter(pools))}],
+        "health": {"interval_s": 0.1, "timeout_s": 1.0},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+async def wait_ready(url: str, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url + "/ready")).status_code == 200:
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"gateway at {url} not ready after {timeout_s}s")
+            await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    policy: Policy | dict[str, Any],
+    *,
+    ready: bool = True,
+    environ: dict[str, str] | None = None,
+) -> AsyncIterator[tuple[str, GatewayApp]]:
+    """Serve a gateway in this loop; yield its URL and the app (``app.gateway`` for state)."""
+    if isinstance(policy, dict):
+        policy = build_policy(policy)
+    app = create_app(policy, environ=environ or {})
+    async with serve_app(app, http=NoDelayHttpToolsProtocol) as url:
+        if ready:
+            await wait_ready(url)
+        yield url, app
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(policy: dict[str, Any], tmp: Path) -> AsyncIterator[tuple[str, int]]:
+    """Run ``python -m proxy serve`` as `make run` does (uvloop, httptools); yield URL, pid.
+
+    Waits for readiness without blocking the loop, which may be serving the upstreams."""
+    port = free_port()
+    path = tmp / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with run_process(argv) as proc:
+        try:
+            await wait_ready(url, timeout_s=30)
+        except TimeoutError:
+            proc.kill()
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"gateway did not start:\n{err[-3000:]}") from None
+        yield url, proc.pid
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")

@@ -1,0 +1,338 @@
+"""The relay over real sockets against a paced fake vLLM: streaming, cancellation,
+backpressure, retries before the first byte, and never after it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loadtest.fake_upstream import FakeUpstream, running
+
+from .gateway import gateway_process, policy_for, rss_bytes, running_gateway
+from .servers import free_port
+
+CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def chat_requests(up: FakeUpstream) -> list[tuple[dict, dict]]:
+    """(body, headers) of the chat requests a fake received: canaries apart."""
+    return [(b, h) for b, h in zip(up.stats.bodies, up.stats.headers) if "messages" in b]
+
+
+def content_of(event: bytes) -> str:
+    obj = json.loads(event[len(b"data: ") :])
+    return "".join(c["delta"].get("content") or "" for c in obj["choices"])
+
+
+async def test_first_content_reaches_the_client_before_upstream_sends_its_last() -> None:
+    async with running(tokens=50, interval_s=0.02) as up:  # a token every 20 ms: ~1 s
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                started = time.monotonic()
+                first_content_at = None
+                async with client.stream(
+                    "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                ) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {") and first_content_at is None:
+                            if content_of(line.encode()):
+                                first_content_at = time.monotonic()
+                ended = time.monotonic()
+    assert first_content_at is not None
+    # Buffering would deliver everything at the end; streaming delivers the first token
+    # ~49 tokens (~1 s) before the last.
+    assert ended - first_content_at > 0.5
+    assert first_content_at - started < 0.5
+
+
+async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:
+    async with running(tokens=5) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            up.first_token_delay_s = 0.3
+            async with httpx.AsyncClient(timeout=10) as client:
+                async with client.stream(
+                    "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                ) as resp:
+                    first = b""
+                    async for raw in resp.aiter_raw():
+                        first = raw
+                        break
+    # The first bytes the client sees already hold the role chunk and the first content.
+    events = [e for e in first.split(b"\n\n") if e]
+    assert len(events) >= 2
+    assert b'"role":"assistant"' in events[0]
+    assert content_of(events[1])
+
+
+async def test_client_disconnect_closes_the_upstream_within_a_second() -> None:
+    async with running(tokens=500, interval_s=0.02) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, app):
+            async with httpx.AsyncClient(timeout=10) as client:
+                async with client.stream(
+                    "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                ) as resp:
+                    n = 0
+                    async for _ in resp.aiter_lines():
+                        n += 1
+                        if n > 6:
+                            break
+                closed_at = time.monotonic()
+            deadline = closed_at + 1.0
+            while up.stats.disconnects == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert up.stats.disconnects == 1
+            assert up.stats.disconnected_at[0] - closed_at < 1.0
+            # The replica's slot is free again.
+            replica = next(app.gateway.fleet.replicas())
+            assert replica.in_flight == 0
+
+
+async def test_client_disconnect_of_a_plain_request_cancels_it_upstream() -> None:
+    async with running(tokens=5) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, app):
+            up.first_token_delay_s = 5.0  # a request whose answer never comes
+            async with httpx.AsyncClient(timeout=0.3) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+            replica = next(app.gateway.fleet.replicas())
+            for _ in range(100):
+                if replica.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert replica.in_flight == 0
+
+
+async def test_a_connection_refused_is_retried_on_another_replica() -> None:
+    async with running(tokens=3) as good, running(tokens=3) as bad:
+        policy = policy_for({"p": [good.url, bad.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, app):
+            await bad.stop()  # healthy in the gateway's eyes, but now refuses connections
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(6):
+                    r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 200
+                    assert r.headers["x-tokenlane-replica"] == f"127.0.0.1:{good.port}"
+            retries = app.gateway.metrics.retries.labels("all", "connect")._value.get()
+            assert retries >= 3  # round robin sent every other first attempt to the bad one
+
+
+async def test_an_upstream_503_is_retried_and_a_400_is_not() -> None:
+    async with running(tokens=3) as good, running(tokens=3) as busy:
+        policy = policy_for({"p": [busy.url, good.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, _):
+            busy.fail_status = 503
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(4):
+                    r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 200
+                busy.fail_status = 400
+                good.fail_status = 400
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                assert r.status_code == 400
+        chats = chat_requests(busy) + chat_requests(good)
+        assert len(chats) == 4 + 2 + 1  # two first attempts hit the 503 one; the 400 is final
+
+
+async def test_first_token_timeout_retries_before_anything_was_sent() -> None:
+    async with running(tokens=3) as slow, running(tokens=3) as fast:
+        policy = policy_for(
+            {"p": [slow.url, fast.url]},
+            lanes=[{"name": "all", "pool": "p", "first_token_timeout_s": 0.3}],
+            health={"interval_s": 60},
+        )
+        async with running_gateway(policy) as (url, app):
+            slow.first_token_delay_s = 5.0
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(2):
+                    r = await client.post(
+                        url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                    )
+                    assert r.status_code == 200
+                    assert r.text.rstrip().endswith("data: [DONE]")
+                    assert r.headers["x-tokenlane-replica"] == f"127.0.0.1:{fast.port}"
+            m = app.gateway.metrics.retries.labels("all", "first_token_timeout")
+            assert m._value.get() >= 1
+
+
+async def test_a_stream_cut_after_content_is_ended_with_an_error_event_not_retried() -> None:
+    async with running(tokens=20) as cut, running(tokens=20) as other:
+        policy = policy_for({"p": [cut.url, other.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, _):
+            cut.cut_after = 3
+            async with httpx.AsyncClient(timeout=10) as client:
+                seen_cut = False
+                for _ in range(2):
+                    r = await client.post(
+                        url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                    )
+                    assert r.status_code == 200
+                    if r.headers["x-tokenlane-replica"] == f"127.0.0.1:{cut.port}":
+                        seen_cut = True
+                        events = [e for e in r.text.split("\n\n") if e.strip()]
+                        assert events[-1] == "data: [DONE]"
+                        error = json.loads(events[-2][len("data: ") :])
+                        assert set(error["error"]) == {"message", "type", "param", "code"}
+        assert seen_cut
+        # The cut stream was not retried: the other replica saw only its own request.
+        assert len(chat_requests(other)) == 1
+
+
+async def test_no_healthy_replica_answers_503_with_retry_after() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with running_gateway(policy_for({"p": [dead]}), ready=False) as (url, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 503
+            assert int(r.headers["retry-after"]) >= 1
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert (await client.get(url + "/ready")).status_code == 503
+
+
+async def test_every_attempt_failing_answers_502_in_openai_shape() -> None:
+    async with running(tokens=3) as a, running(tokens=3) as b:
+        policy = policy_for({"p": [a.url, b.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, _):
+            await a.stop()
+            await b.stop()
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert r.json()["error"]["type"] == "BadGatewayError"
+
+
+async def test_body_headers_and_request_id_reach_the_replica_but_credentials_do_not() -> None:
+    body = {**CHAT, "max_tokens": 3, "priority": 5, "vendor_extension": {"a": [1, 2.5, None]}}
+    raw = json.dumps(body, indent=1).encode()  # odd spacing: forwarded byte for byte
+    async with running(tokens=3) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(
+                    url + "/v1/chat/completions",
+                    content=raw,
+                    headers={
+                        "content-type": "application/json",
+                        "authorization": "Bearer client-secret",
+                        "x-api-key": "client-secret",
+                        "x-request-id": "req-123",
+                        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                    },
+                )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-123"
+    assert r.headers["x-tokenlane-lane"] == "all"
+    [(seen_body, seen)] = chat_requests(up)
+    assert seen_body == body
+    assert int(seen["content-length"]) == len(raw)
+    assert seen["x-request-id"] == "req-123"
+    assert seen["traceparent"].startswith("00-0af7")
+    assert "client-secret" not in json.dumps(seen)
+
+
+async def test_replica_key_is_sent_as_bearer_token() -> None:
+    async with running(tokens=3) as up:
+        policy = policy_for({"p": [up.url]})
+        policy["pools"]["p"]["replicas"][0]["api_key_env"] = "REPLICA_KEY"
+        async with running_gateway(policy, environ={"REPLICA_KEY": "rk-1"}) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(
+                    url + "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"authorization": "Bearer client-secret"},
+                )
+    assert r.status_code == 200
+    [(_, seen)] = chat_requests(up)
+    assert seen["authorization"] == "Bearer rk-1"
+
+
+async def test_tcp_nodelay_is_set_on_both_sides() -> None:
+    import aiohttp
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    async with running(tokens=3) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            req = json.dumps({**CHAT, "stream": True}).encode()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(req), req)
+            )
+            await reader.readuntil(b"data: [DONE]")
+            downstream = [
+                o.transport.get_extra_info("socket")
+                for o in gc.get_objects()
+                if isinstance(o, HttpToolsProtocol) and o.transport is not None
+                and not o.transport.is_closing()
+            ]
+            upstream = [
+                o.transport.get_extra_info("socket")
+                for o in gc.get_objects()
+                if isinstance(o, aiohttp.client_proto.ResponseHandler) and o.transport is not None
+                and o.transport.get_extra_info("peername")[1] == up.port
+            ]
+            live = [s for s in downstream + upstream if s.fileno() != -1]
+            assert downstream and upstream
+            for sock in live:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            writer.close()
+
+
+@pytest.mark.slow
+async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_path: Path) -> None:
+    """One client stops reading for 5 s while 99 others stream: theirs keep flowing, the
+    gateway's memory stays bounded, and the stalled stream's upstream writer is held back."""
+    up = FakeUpstream(tokens=50, interval_s=0.02, record=False)
+    await up.start()
+    try:
+        async with gateway_process(policy_for({"p": [up.url]}), tmp_path) as (url, pid):
+            async with httpx.AsyncClient(
+                timeout=30, limits=httpx.Limits(max_connections=200)
+            ) as client:
+
+                async def one_stream() -> float:
+                    """The longest gap between two chunks of one normal stream."""
+                    gap, last = 0.0, None
+                    async with client.stream(
+                        "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                    ) as resp:
+                        async for _ in resp.aiter_raw():
+                            t = time.monotonic()
+                            gap = max(gap, t - last) if last else 0.0
+                            last = t
+                    return gap
+
+                await asyncio.gather(*(one_stream() for _ in range(99)))  # warm-up
+                base_rss = rss_bytes(pid)
+                # The stalled client: a 100 MB stream on a socket nobody reads.
+                big = json.dumps({**CHAT, "stream": True, "max_tokens": 50_000,
+                                  "fake_token_bytes": 2000, "fake_interval_ms": 0}).encode()  # fmt: skip
+                port = int(url.rsplit(":", 1)[1])
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(big), big)
+                )
+                t0 = time.monotonic()
+                gaps = []
+                while time.monotonic() - t0 < 5.0:
+                    gaps += await asyncio.gather(*(one_stream() for _ in range(99)))
+                written = up.stats.bytes_written
+                grown = rss_bytes(pid) - base_rss
+                sock.close()
+    finally:
+        await up.stop()
+    assert max(gaps) < 1.0, "other streams stopped flowing"
+    assert grown < 5 * 1024 * 1024, f"gateway grew {grown / 2**20:.1f} MiB"
+    # Unheld, the fake would have written the whole 100 MB in well under 5 s.
+    assert up.stats.drain_waits > 0
+    assert written < 60 * 1024 * 1024, f"upstream wrote {written / 2**20:.0f} MiB"
