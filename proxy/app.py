@@ -82,6 +82,7 @@ class Gateway:
         self._label_cache: dict[tuple[str, ...], Any] = {}
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
+        self.metrics.set_lane_bounds(policy.lanes)
 
     async def reload(self) -> int:
         """Load the policy file again and swap it in whole (hot reload lands with issue 6)."""

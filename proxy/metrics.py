@@ -7,7 +7,11 @@ test process and ``/metrics`` shows only this gateway's series.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .config import LaneConfig
 
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
@@ -105,10 +109,28 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.shared_state_up.set(1)
+        # The policy's own bounds as series, so alert rules and dashboards compare against
+        # what is configured now instead of copies that go stale on reload.
+        self.lane_ttft_slo = Gauge(
+            "tokenlane_lane_ttft_slo_seconds", "The lane's ttft_slo_s (lanes that set one).",
+            ["lane"], registry=r,
+        )  # fmt: skip
+        self.lane_max_queue = Gauge(
+            "tokenlane_lane_max_queue", "The lane's max_queue.", ["lane"], registry=r,
+        )  # fmt: skip
         self.reloads = Counter(
             "tokenlane_policy_reloads", "Policy reloads by result (ok, invalid).",
             ["result"], registry=r,
         )  # fmt: skip
+
+    def set_lane_bounds(self, lanes: Iterable[LaneConfig]) -> None:
+        """Export each lane's SLO and queue bound; forget lanes (and SLOs) no longer there."""
+        self.lane_ttft_slo.clear()
+        self.lane_max_queue.clear()
+        for lane in lanes:
+            self.lane_max_queue.labels(lane.name).set(lane.max_queue)
+            if lane.ttft_slo_s is not None:
+                self.lane_ttft_slo.labels(lane.name).set(lane.ttft_slo_s)
 
     def set_replica_state(self, pool: str, replica: str, state: str) -> None:
         for s in REPLICA_STATES:

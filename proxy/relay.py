@@ -404,20 +404,23 @@ class Relay:
                 async for chunk in chunks:
                     attempt.last_progress = time.monotonic()
                     held.append(chunk)
+                    # Parse events only up to the first with content: after it nothing is
+                    # inspected (a burst of a whole stream in one read costs one parse).
                     for event in events.feed(chunk):
                         obj = sse.parse_event(event)
                         if obj is sse.DONE:
                             ended = True
-                        elif sse.is_error(obj):
-                            if not found:
-                                raise RetryableFailure(
-                                    "upstream_5xx",
-                                    "upstream_5xx",
-                                    f"{attempt.replica.name} failed before the first token: "
-                                    f"{_error_message(obj)}",
-                                )
-                        elif not found and sse.carries_content(obj):
+                            break
+                        if sse.is_error(obj):
+                            raise RetryableFailure(
+                                "upstream_5xx",
+                                "upstream_5xx",
+                                f"{attempt.replica.name} failed before the first token: "
+                                f"{_error_message(obj)}",
+                            )
+                        if sse.carries_content(obj):
                             found = True
+                            break
                     if found or ended:
                         break
         except TimeoutError:

@@ -46,6 +46,7 @@ def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.C
         http=NoDelayHttpToolsProtocol,
         lifespan="on",
         access_log=False,  # the gateway writes its own JSON access log
+        proxy_headers=False,  # one ASGI layer less per chunk; client IPs are the peers
         log_level="warning",
         timeout_keep_alive=30,
         backlog=4096,

@@ -9,6 +9,7 @@ JSON but error events with spaces, so events are parsed, never matched byte for 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 DONE = b"[DONE]"
@@ -23,14 +24,25 @@ class EventBuffer:
     def __init__(self) -> None:
         self._rest = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        """The complete events so far, one at a time: a reader that stops early (at the first
+        content) does not pay for splitting the rest of a large read."""
         data = self._rest + chunk if self._rest else chunk
         # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
         if b"\r\n" in data:
             data = data.replace(b"\r\n", b"\n")
-        parts = data.split(b"\n\n")
-        self._rest = parts.pop()
-        return parts
+        start = 0
+        try:
+            while True:
+                end = data.find(b"\n\n", start)
+                if end < 0:
+                    return
+                event = data[start:end]
+                start = end + 2
+                yield event
+        finally:
+            # Also when the reader stops early: what it did not take stays pending.
+            self._rest = data[start:]
 
     @property
     def pending(self) -> bytes:

@@ -1,0 +1,346 @@
+"""Core overhead benchmark: the same load direct to a fast fake vLLM and through the gateway.
+
+The gateway runs as ``make run`` runs it (``python -m proxy serve``: uvloop, httptools); each
+upstream is a separate process (``loadtest.fake_upstream``); the load generator is raw asyncio
+on uvloop in this process (httpx is too slow to generate load). Each configuration is repeated
+and the median printed.
+
+- burst: two upstreams send a 64-token stream in one write; TTFT p50/p99, req/s and the
+  gateway's CPU ms per request (from /proc) at concurrency 1, 16, 64;
+- paced: 256 concurrent streams of 64 tokens, 50 ms apart, one write per token; added
+  inter-token latency p50/p99/max and gateway CPU µs per relayed chunk.
+
+On a 2-core machine the generator, the upstreams and the gateway share the cores: the direct
+run at each concurrency is the ceiling of generator + upstream, printed beside the gateway's.
+
+    python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def wait_port(port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not open")
+
+
+@contextlib.contextmanager
+def process(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_port(port)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_ready(url_port: int, timeout_s: float = 20.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{url_port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.05)
+    raise TimeoutError("gateway not ready")
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+def request_bytes(port: int, stream_body: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (port, len(stream_body), stream_body)
+    )
+
+
+class StreamClient(asyncio.Protocol):
+    """One keep-alive connection; records the arrival of content for each response."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[None] | None = None
+        self.first_content: float = 0.0
+        self.arrivals: list[float] = []
+        self.record_arrivals = False
+        self._tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        t = time.perf_counter()
+        if not self.first_content and b'"content":" tok' in data:
+            self.first_content = t
+        if self.record_arrivals and b'"content":" tok' in data:
+            self.arrivals.append(t)
+        tail = self._tail + data
+        if tail.endswith(b"0\r\n\r\n") and b"[DONE]" in tail[-64:]:
+            self._tail = b""
+            if self.done is not None and not self.done.done():
+                self.done.set_result(None)
+        else:
+            self._tail = tail[-64:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection lost"))
+
+    async def send(self, payload: bytes) -> float:
+        """Send one request; return its TTFT (to the first content chunk)."""
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        self.first_content = 0.0
+        start = time.perf_counter()
+        self.transport.write(payload)
+        await self.done
+        return self.first_content - start
+
+
+async def connect(port: int) -> StreamClient:
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_connection(StreamClient, "127.0.0.1", port)
+    return proto
+
+
+@dataclass
+class BurstResult:
+    ttft_ms: list[float] = field(default_factory=list)
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        t = sorted(self.ttft_ms)
+        return {
+            "ttft_p50_ms": t[len(t) // 2] if t else float("nan"),
+            "ttft_p99_ms": t[min(len(t) - 1, int(len(t) * 0.99))] if t else float("nan"),
+            "rps": self.requests / self.seconds if self.seconds else 0.0,
+            "cpu_ms_per_req": 1000 * self.cpu_s / self.requests if self.requests else 0.0,
+            "errors": self.errors,
+        }
+
+
+async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None) -> BurstResult:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                       "stream": True, "max_tokens": 64}).encode()  # fmt: skip
+    payload = request_bytes(port, body)
+    clients = [await connect(port) for _ in range(concurrency)]
+    for c in clients:  # warm-up: connections and the gateway's pool
+        await c.send(payload)
+    result = BurstResult()
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def worker(c: StreamClient) -> None:
+        while time.perf_counter() < deadline:
+            try:
+                ttft = await c.send(payload)
+            except ConnectionError:
+                result.errors += 1
+                return
+            result.ttft_ms.append(ttft * 1000)
+            result.requests += 1
+
+    await asyncio.gather(*(worker(c) for c in clients))
+    result.seconds = time.perf_counter() - start
+    result.cpu_s = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    for c in clients:
+        assert c.transport is not None
+        c.transport.close()
+    return result
+
+
+async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float]:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                       "stream": True, "max_tokens": 64}).encode()  # fmt: skip
+    payload = request_bytes(port, body)
+    clients = [await connect(port) for _ in range(streams)]
+    await asyncio.gather(*(c.send(payload) for c in clients[:8]))  # warm-up
+    for c in clients:
+        c.record_arrivals = True
+        c.arrivals = []
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    await asyncio.gather(*(c.send(payload) for c in clients))
+    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    gaps = []
+    chunks = 0
+    for c in clients:
+        a = c.arrivals
+        chunks += len(a)
+        gaps.extend((a[i] - a[i - 1]) * 1000 for i in range(1, len(a)))
+        assert c.transport is not None
+        c.transport.close()
+    gaps.sort()
+    return {
+        "itl_p50_ms": gaps[len(gaps) // 2],
+        "itl_p99_ms": gaps[int(len(gaps) * 0.99)],
+        "itl_max_ms": gaps[-1],
+        # Each stream is 64 tokens plus role, finish and [DONE] chunks relayed.
+        "cpu_us_per_chunk": 1e6 * cpu / (streams * 67) if pid else 0.0,
+        "chunks_seen": chunks,
+    }
+
+
+# ---------------------------------------------------------------------------- the setup
+
+
+@contextlib.contextmanager
+def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
+    """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid."""
+    ports = [free_port(), free_port()]
+    gw_port = free_port()
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            stack.enter_context(process(
+                [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(p),
+                 "--tokens", "64", "--interval-ms", str(interval_ms)], p))  # fmt: skip
+        policy = {
+            "server": {"host": "127.0.0.1", "port": gw_port},
+            "pools": {"p": {"balance": "least_loaded", "replicas": [
+                {"url": f"http://127.0.0.1:{p}", "max_in_flight": 1024} for p in ports]}},
+            "lanes": [{"name": "all", "pool": "p"}],
+        }  # fmt: skip
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        path = Path(tmp) / "policy.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        env_log = stack.enter_context(open(Path(tmp) / "gw.log", "w"))
+        gw = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(path), "--log-level",
+             "warning"], stdout=env_log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        stack.callback(lambda: (os.killpg(gw.pid, signal.SIGTERM), gw.wait(10)))
+        wait_ready(gw_port)
+        yield ports, gw_port, gw.pid
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
+    rows = []
+    with fleet(0) as (ports, gw_port, pid):
+        for conc in (1, 16, 64):
+            direct, through = [], []
+            for _ in range(repeat):
+                direct.append(asyncio.run(burst_run(ports[0], conc, seconds, None)).summary())
+                through.append(asyncio.run(burst_run(gw_port, conc, seconds, pid)).summary())
+            d, g = median_of(direct), median_of(through)
+            rows.append({"mode": "burst", "concurrency": conc, "direct": d, "gateway": g,
+                         "added_ttft_p50_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
+                         "added_ttft_p99_ms": g["ttft_p99_ms"] - d["ttft_p99_ms"]})  # fmt: skip
+    return rows
+
+
+def run_paced(repeat: int, streams: int = 256) -> dict[str, Any]:
+    with fleet(50) as (ports, gw_port, pid):
+        direct = [asyncio.run(paced_run(ports[0], streams, None)) for _ in range(repeat)]
+        through = [asyncio.run(paced_run(gw_port, streams, pid)) for _ in range(repeat)]
+    d, g = median_of(direct), median_of(through)
+    return {"mode": "paced", "streams": streams, "direct": d, "gateway": g,
+            "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
+            "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
+            "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="per burst run")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--mode", choices=["burst", "paced", "both"], default="both")
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out: dict[str, Any] = {"cores": os.cpu_count(), "repeat": args.repeat}
+    if args.mode in ("burst", "both"):
+        rows = run_burst(args.seconds, args.repeat)
+        out["burst"] = rows
+        print(f"burst mode: 64-token stream in one write, two upstreams, {args.seconds:g}s runs,"
+              f" median of {args.repeat}")  # fmt: skip
+        print(f"{'conc':>4} | {'direct p50':>10} {'p99':>7} {'req/s':>7} | {'gateway p50':>11} "
+              f"{'p99':>7} {'req/s':>7} {'CPU ms/req':>10} | {'+p50 ms':>7} {'+p99 ms':>7} | err")  # fmt: skip
+        for r in rows:
+            d, g = r["direct"], r["gateway"]
+            print(f"{r['concurrency']:>4} | {d['ttft_p50_ms']:>10.2f} {d['ttft_p99_ms']:>7.2f} "
+                  f"{d['rps']:>7.0f} | {g['ttft_p50_ms']:>11.2f} {g['ttft_p99_ms']:>7.2f} "
+                  f"{g['rps']:>7.0f} {g['cpu_ms_per_req']:>10.3f} | "
+                  f"{r['added_ttft_p50_ms']:>+7.2f} {r['added_ttft_p99_ms']:>+7.2f} | "
+                  f"{int(g['errors'] + d['errors'])}")  # fmt: skip
+        print("(direct = the load generator and one upstream alone: the generator's ceiling)")
+    if args.mode in ("paced", "both"):
+        p = run_paced(args.repeat)
+        out["paced"] = p
+        d, g = p["direct"], p["gateway"]
+        print(f"\npaced mode: {p['streams']} streams x 64 tokens, 50 ms apart, median of "
+              f"{args.repeat}")
+        print(f"  ITL direct  p50 {d['itl_p50_ms']:.2f}  p99 {d['itl_p99_ms']:.2f}  "
+              f"max {d['itl_max_ms']:.2f} ms")
+        print(f"  ITL gateway p50 {g['itl_p50_ms']:.2f}  p99 {g['itl_p99_ms']:.2f}  "
+              f"max {g['itl_max_ms']:.2f} ms")
+        print(f"  added ITL p50 {p['added_itl_p50_ms']:+.2f}  p99 {p['added_itl_p99_ms']:+.2f}"
+              f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
+              f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
