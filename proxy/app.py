@@ -30,7 +30,14 @@ from . import validate
 from .admission import Admission
 from .classify import Estimator, match_lane, profile_request
 from .config import Policy
-from .errors import GatewayError, MethodNotAllowed, NotFound, PayloadTooLarge, error_body
+from .errors import (
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    Rejected,
+    error_body,
+)
 from .fleet import Fleet, ReplicaState
 from .health import HealthMonitor
 from .metrics import Metrics
@@ -79,7 +86,8 @@ class Gateway:
         self.health = HealthMonitor(
             self.fleet, lambda: self.policy, self.health_client, self.metrics
         )
-        self._label_cache: dict[tuple[str, ...], Any] = {}
+        self.active_requests = 0  # relayed requests being handled, queued ones included
+        self.shutting_down = False
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
         self.metrics.set_lane_bounds(policy.lanes)
@@ -96,8 +104,14 @@ class Gateway:
         await self.client.aclose()
         await self.health_client.aclose()
 
+    def begin_shutdown(self) -> None:
+        """From now on ``/ready`` fails and new requests get 503: a drain has started."""
+        self.shutting_down = True
+
     def ready(self) -> tuple[bool, list[str]]:
         """Every lane has a healthy replica in its pool or its ``spill_to`` pool."""
+        if self.shutting_down:
+            return False, ["(shutting down)"]
         missing = []
         for lane in self.policy.lanes:
             pools = [lane.pool] + ([lane.spill_to] if lane.spill_to else [])
@@ -152,6 +166,12 @@ class Gateway:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+class ShuttingDown(Rejected):
+    """A request that arrived after SIGTERM: not a rejection by admission, so not counted as
+    one; the client should go to another instance."""
+
 
 
 async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
@@ -223,6 +243,7 @@ class RelayEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = now()
         gw = self.gw
+        gw.active_requests += 1
         request_id: str | None = None
         call: Call | None = None
         listener: asyncio.Task[None] | None = None
@@ -239,6 +260,11 @@ class RelayEndpoint:
                 if k not in DROP_UPSTREAM:
                     headers.append((k, v))
             request_id = request_id_from(rid)
+            if gw.shutting_down:
+                raise ShuttingDown(
+                    "the gateway is shutting down; retry on another instance",
+                    status=503, reason="shutdown", retry_after_s=1.0,
+                )  # fmt: skip
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
             policy = gw.policy
@@ -270,6 +296,7 @@ class RelayEndpoint:
                     send, GatewayError("internal error in the gateway; see its log"), request_id
                 )
         finally:
+            gw.active_requests -= 1
             if listener is not None:
                 listener.cancel()
             if call is not None:

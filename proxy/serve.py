@@ -6,12 +6,15 @@ import asyncio
 import contextlib
 import gc
 import logging
+import signal
 import socket
+import time
+from types import FrameType
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .app import configure_logging, create_app
+from .app import Gateway, configure_logging, create_app
 from .config import Policy
 
 log = logging.getLogger("tokenlane")
@@ -54,17 +57,56 @@ def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.C
     )
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn with a drain in front of its shutdown (RELIABILITY 4).
+
+    uvicorn closes its listeners on the first SIGTERM, which a load balancer sees as refused
+    connections. Here the first SIGTERM (or Ctrl-C) only starts a drain: ``/ready`` fails at
+    once, new requests get 503 with ``Retry-After``, and requests in flight get
+    ``server.shutdown_grace_s``. When they are done, or the grace is over, uvicorn's own
+    shutdown runs and cancels what is left (closing those upstreams). A second Ctrl-C quits
+    at once."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_deadline is None:
+            grace = self.gateway.policy.server.shutdown_grace_s
+            self.drain_deadline = time.monotonic() + grace
+            self.gateway.begin_shutdown()
+            log.info(
+                "signal %s: draining %d request(s) for up to %gs",
+                signal.Signals(sig).name,
+                self.gateway.active_requests,
+                grace,
+            )
+            return
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGINT:
+            self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            if self.gateway.active_requests == 0 or time.monotonic() >= self.drain_deadline:
+                left = self.gateway.active_requests
+                if left:
+                    log.warning("grace period over: cutting %d request(s)", left)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "info") -> int:
     configure_logging(log_level)
     tune_gc()
     app = create_app(policy, policy_path=policy_path)
+    # The drain happened before uvicorn's shutdown starts: what is left gets one more second.
     config = uvicorn_config(
-        app,
-        policy.server.host,
-        policy.server.port,
-        timeout_graceful_shutdown=policy.server.shutdown_grace_s,
+        app, policy.server.host, policy.server.port, timeout_graceful_shutdown=1.0
     )
-    server = uvicorn.Server(config)
+    server = GatewayServer(config, app.gateway)
     log.info(
         "tokenlane listening on http://%s:%d (%d pools, %d lanes)",
         policy.server.host,
@@ -77,4 +119,4 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
     return 0
 
 
-__all__ = ["NoDelayHttpToolsProtocol", "serve", "tune_gc", "uvicorn_config"]
+__all__ = ["GatewayServer", "NoDelayHttpToolsProtocol", "serve", "tune_gc", "uvicorn_config"]

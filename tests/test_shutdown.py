@@ -1,0 +1,70 @@
+"""Graceful shutdown (RELIABILITY T13): on SIGTERM `/ready` fails at once, new requests get 503
+with Retry-After, streams shorter than the grace finish, longer ones are cut at its end, and
+the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.fake_upstream import running
+
+from .gateway import gateway_process, policy_for
+
+CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
+    grace = 3.0
+    async with running(tokens=20, interval_s=0.05, record=False) as up:
+        policy = policy_for({"p": [up.url]}, server={"shutdown_grace_s": grace})
+        async with gateway_process(policy, tmp_path) as (url, pid):
+            async with httpx.AsyncClient(timeout=30) as client:
+
+                async def stream(tokens: int) -> str:
+                    body = {**CHAT, "stream": True, "max_tokens": tokens}
+                    text = ""
+                    try:
+                        async with client.stream(
+                            "POST", url + "/v1/chat/completions", json=body
+                        ) as resp:
+                            async for chunk in resp.aiter_text():
+                                text += chunk
+                    except httpx.HTTPError:
+                        pass  # a cut stream may end with a protocol error
+                    return text
+
+                short = [asyncio.create_task(stream(20)) for _ in range(4)]  # ~1 s each
+                long = [asyncio.create_task(stream(400)) for _ in range(2)]  # ~20 s each
+                await asyncio.sleep(0.3)
+                os.kill(pid, signal.SIGTERM)
+                signalled = time.monotonic()
+
+                ready = await client.get(url + "/ready")
+                assert ready.status_code == 503
+                late = await client.post(url + "/v1/chat/completions", json=CHAT)
+                assert late.status_code == 503
+                assert int(late.headers["retry-after"]) >= 1
+                assert set(late.json()["error"]) == {"message", "type", "param", "code"}
+
+                for text in await asyncio.gather(*short):
+                    assert text.rstrip().endswith("data: [DONE]")
+                for text in await asyncio.gather(*long):
+                    assert "data: [DONE]" not in text
+                    assert "tok1" in text  # they were streaming when cut
+
+                while time.monotonic() - signalled < grace + 5:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                        break
+                    await asyncio.sleep(0.05)
+                exited_after = time.monotonic() - signalled
+    assert exited_after <= grace + 2.0
