@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import validate
 from .admission import Admission
+from .auth import ClientKeys, Guard
 from .classify import Estimator, match_lane, profile_request
 from .config import Policy
 from .errors import (
@@ -41,6 +42,7 @@ from .errors import (
 from .fleet import Fleet, ReplicaState
 from .health import HealthMonitor
 from .metrics import Metrics
+from .ratelimit import LocalRateLimiter
 from .relay import DROP_UPSTREAM, Call, Relay, make_client
 
 log = logging.getLogger("tokenlane")
@@ -78,7 +80,12 @@ class Gateway:
         self.metrics = Metrics()
         self.fleet = Fleet(policy, self.environ)
         self.estimator = Estimator.from_config(policy.estimate)
-        self.admission = Admission(self.fleet, self.metrics)
+        self.admission = Admission(self.fleet, self.metrics, policy.lanes)
+        self.guard = Guard(
+            ClientKeys.from_env(self.environ, policy.server.api_keys_env),
+            LocalRateLimiter(lambda: self.policy.rate_limits),
+            self.metrics,
+        )
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy)
         self.health_client = make_client(policy)
@@ -127,18 +134,18 @@ class Gateway:
         pool = call.pool or ""
         replica = call.replica.name if call.replica is not None else ""
         duration = now() - call.received_at
-        m.requests.labels(lane, pool, replica, str(call.status)).inc()
+        m.series(m.requests, lane, pool, replica, str(call.status)).inc()
         if call.pool:
-            m.duration.labels(lane, pool).observe(duration)
+            m.series(m.duration, lane, pool).observe(duration)
             if call.ttft_s is not None:
-                m.ttft.labels(lane, pool).observe(call.ttft_s)
+                m.series(m.ttft, lane, pool).observe(call.ttft_s)
         usage = call.usage
         reported = usage.get("prompt_tokens") if usage else None
         profile = call.profile
         if profile is not None and call.pool:
-            m.prompt_tokens_estimated.labels(pool).inc(profile.prompt_tokens_est)
+            m.series(m.prompt_tokens_estimated, pool).inc(profile.prompt_tokens_est)
             if isinstance(reported, int) and reported > 0:
-                m.prompt_tokens_reported.labels(pool).inc(reported)
+                m.series(m.prompt_tokens_reported, pool).inc(reported)
                 self.estimator.observe(profile, reported)
         completion = usage.get("completion_tokens") if usage else None
         record = {
@@ -267,9 +274,12 @@ class RelayEndpoint:
                 )  # fmt: skip
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
+            key = gw.guard.authenticate(scope["headers"]) if gw.guard.enabled else None
             policy = gw.policy
             raw = await read_body(receive, policy.server.max_body_bytes, content_length)
             call = self._make_call(policy, raw, headers, request_id, received_at)
+            if key is not None:
+                gw.guard.charge(key, call, policy.estimate.chars_per_token)
             call.task = asyncio.current_task()
             listener = asyncio.create_task(_listen_for_disconnect(receive, call))
             try:
@@ -465,6 +475,13 @@ class GatewayApp:
             if handler is not None:
                 await handler(scope, receive, send)
                 return
+            guard = self.gateway.guard
+            if guard.enabled and scope["path"].startswith("/v1/"):
+                try:
+                    guard.authenticate(scope["headers"])
+                except GatewayError as err:
+                    await send_error(send, err)
+                    return
         await self.starlette(scope, receive, send)
 
 

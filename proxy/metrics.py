@@ -8,6 +8,7 @@ test process and ``/metrics`` shows only this gateway's series.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -37,6 +38,7 @@ RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejec
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
+        self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "tokenlane_requests", "Requests answered, by lane, pool, replica and HTTP status.",
             ["lane", "pool", "replica", "status"], registry=r,
@@ -122,6 +124,16 @@ class Metrics:
             "tokenlane_policy_reloads", "Policy reloads by result (ok, invalid).",
             ["result"], registry=r,
         )  # fmt: skip
+
+    def series(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the request path records a handful of series
+        per request, and prometheus_client's ``labels()`` takes a lock and builds a key each
+        time."""
+        key = (metric, labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child
 
     def set_lane_bounds(self, lanes: Iterable[LaneConfig]) -> None:
         """Export each lane's SLO and queue bound; forget lanes (and SLOs) no longer there."""
