@@ -71,16 +71,27 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _render_explanation(result: dict[str, Any]) -> str:
+    def show(value: Any) -> str:
+        if isinstance(value, str) and ("\n" in value or value != value.strip()):
+            return repr(value)
+        if isinstance(value, dict) and "url" in value:  # a candidate replica
+            return (
+                f"{value.get('pool')}/{value.get('name')} {value.get('url')} "
+                f"({value.get('role')}, {value.get('balance')}, "
+                f"max_in_flight {value.get('max_in_flight')})"
+            )
+        return str(value)
+
     lines = []
     for key, value in result.items():
         if isinstance(value, dict):
             lines.append(f"{key}:")
-            lines.extend(f"  {k}: {v}" for k, v in value.items())
+            lines.extend(f"  {k}: {show(v)}" for k, v in value.items())
         elif isinstance(value, list):
             lines.append(f"{key}:")
-            lines.extend(f"  - {v}" for v in value)
+            lines.extend(f"  - {show(v)}" for v in value)
         else:
-            lines.append(f"{key}: {value}")
+            lines.append(f"{key}: {show(value)}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,106 @@
+"""The command line: `tokenlane explain`, the dispatch of `sim` / `loadtest`, and `demo`
+starting a fleet and a gateway and leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from .servers import free_port, wait_http_ok
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tokenlane(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_explain_prints_profile_lane_reasons_and_candidates(tmp_path: Path) -> None:
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps({
+        "model": "Qwen/Qwen2.5-0.5B-Instruct", "stream": True, "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hello " * 50}],
+    }))  # fmt: skip
+    result = tokenlane("explain", "--config", "config/policy.example.yaml", str(request), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    text = json.dumps(out)
+    assert "short" in text and "fast-0" in text
+    long_request = tmp_path / "long.json"
+    long_request.write_text(json.dumps({"messages": [{"role": "user", "content": "x " * 9000}]}))
+    result = tokenlane("explain", "--config", "config/policy.example.yaml", str(long_request))
+    assert result.returncode == 0, result.stderr
+    assert "long" in result.stdout and "bulk-0" in result.stdout
+
+
+def test_explain_names_a_bad_request_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    result = tokenlane("explain", "--config", "config/policy.example.yaml", str(bad))
+    assert result.returncode == 1
+    assert "bad.json" in result.stderr
+
+
+def test_sim_and_loadtest_take_their_own_arguments() -> None:
+    sim = tokenlane("sim", "--help")
+    assert sim.returncode == 0 and "--max-num-seqs" in sim.stdout
+    load = tokenlane("loadtest", "--help")
+    assert load.returncode == 0 and "--base-url" in load.stdout
+
+
+def _listening(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
+    policy = yaml.safe_load((ROOT / "config/policy.demo.yaml").read_text())
+    sim_ports = []
+    for pool in policy["pools"].values():
+        for replica in pool["replicas"]:
+            port = free_port()
+            sim_ports.append(port)
+            replica["url"] = f"http://127.0.0.1:{port}"
+    gw_port = free_port()
+    policy["server"]["port"] = gw_port
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--policy", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+            json={"model": "Qwen/Qwen2.5-0.5B-Instruct", "max_tokens": 4,
+                  "messages": [{"role": "user", "content": "hi"}]},  # fmt: skip
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert all(_listening(p) for p in sim_ports)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert f"http://127.0.0.1:{gw_port}" in out.decode()  # the banner names the URLs
+    deadline = time.monotonic() + 10
+    while any(_listening(p) for p in sim_ports) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_listening(p) for p in sim_ports), "a simulator outlived the demo"
