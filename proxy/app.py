@@ -98,6 +98,8 @@ class Gateway:
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
         self.metrics.set_lane_bounds(policy.lanes)
+        for pool in policy.pools:
+            self.metrics.panic.labels(pool).set(0)
 
     async def reload(self) -> int:
         """Load the policy file again and swap it in whole (hot reload lands with issue 6)."""

@@ -56,6 +56,17 @@ async def wait_ready(url: str, timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
+async def wait_healthy(app: GatewayApp, count: int, timeout_s: float = 10.0) -> None:
+    """Until ``count`` replicas are healthy (when /ready cannot tell: a lane is meant to
+    have none)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while sum(r.state.value == "healthy" for r in app.gateway.fleet.replicas()) < count:
+        if loop.time() > deadline:
+            raise TimeoutError(f"fewer than {count} healthy replicas after {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     policy: Policy | dict[str, Any],
