@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -30,7 +31,8 @@ from . import validate
 from .admission import Admission
 from .auth import ClientKeys, Guard
 from .classify import Estimator, match_lane, profile_request
-from .config import Policy
+from .config import Policy, PolicyError, keep_restart_keys, load_policy, restart_changes
+from .discovery import Discovery, dns_hosts, expand
 from .errors import (
     GatewayError,
     MethodNotAllowed,
@@ -60,6 +62,17 @@ PASSTHROUGH_PATHS = (
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
 )
+POLICY_POLL_S = 1.0
+
+
+def _file_hash(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+    except OSError:
+        return None
+
+
 _REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
@@ -73,12 +86,18 @@ class Gateway:
         environ: Mapping[str, str] | None = None,
         policy_path: str | None = None,
     ) -> None:
+        self.declared = policy  # as written; `policy` is it with DNS replicas expanded
         self.policy = policy
         self.version = 1
         self.policy_path = policy_path
+        self.needs_restart: list[str] = []
+        self.discovery = Discovery()
+        self._reload_lock = asyncio.Lock()
+        self._policy_hash: bytes | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self.metrics = Metrics()
-        self.fleet = Fleet(policy, self.environ)
+        self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
         self.estimator = Estimator.from_config(policy.estimate)
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         self.guard = Guard(
@@ -101,14 +120,84 @@ class Gateway:
         for pool in policy.pools:
             self.metrics.panic.labels(pool).set(0)
 
+    # -- policy changes: reload and discovery -----------------------------------------------
+
     async def reload(self) -> int:
-        """Load the policy file again and swap it in whole (hot reload lands with issue 6)."""
-        raise NotImplementedError("hot reload is not implemented yet")
+        """Read the policy file again and swap it in whole, or keep the old one and raise
+        ``PolicyError`` saying why. Requests in flight finish with the policy they started
+        with; replicas that stay keep their health state and counters."""
+        async with self._reload_lock:
+            if self.policy_path is None:
+                raise PolicyError(["no policy file: this gateway was started from data"])
+            try:
+                new = load_policy(self.policy_path, environ=self.environ)
+            except PolicyError as exc:
+                self.metrics.reloads.labels("invalid").inc()
+                log.warning("policy reload refused, keeping version %d: %s", self.version,
+                            "; ".join(exc.problems))  # fmt: skip
+                raise
+            self.needs_restart = restart_changes(self.declared, new)
+            self._swap(keep_restart_keys(self.declared, new))
+            self.version += 1
+            self._policy_hash = _file_hash(self.policy_path)
+            self.metrics.reloads.labels("ok").inc()
+            log.info("policy reloaded: version %d%s", self.version,
+                     f" (restart needed for {', '.join(self.needs_restart)})"
+                     if self.needs_restart else "")  # fmt: skip
+            return self.version
+
+    def _swap(self, declared: Policy) -> None:
+        self.declared = declared
+        effective = expand(declared, self.discovery.addresses)
+        self.policy = effective
+        if self.fleet.apply(effective):
+            self.health.replicas_changed()
+        self.estimator.configure(declared.estimate)
+        self.admission.set_lanes(declared.lanes)
+        self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
+        self.metrics.set_lane_bounds(declared.lanes)
+        for pool in declared.pools:
+            self.metrics.series(self.metrics.panic, pool)
+
+    async def _watch_policy_file(self) -> None:
+        """Reload when the file's content changes. Polling the content (not mtime or inotify)
+        also catches editors that save by writing a new file and renaming it over the old."""
+        assert self.policy_path is not None
+        while True:
+            await asyncio.sleep(POLICY_POLL_S)
+            digest = _file_hash(self.policy_path)
+            if digest is None or digest == self._policy_hash:
+                continue
+            self._policy_hash = digest
+            with contextlib.suppress(PolicyError):
+                await self.reload()
+
+    async def _discover(self) -> None:
+        while True:
+            hosts = dns_hosts(self.declared)
+            if hosts and await self.discovery.refresh(hosts):
+                async with self._reload_lock:
+                    self._swap(self.declared)
+            await asyncio.sleep(self.policy.health.interval_s * 10)
+
+    async def reload_logged(self) -> None:
+        """A reload whose refusal is only logged (SIGHUP has no one to answer)."""
+        with contextlib.suppress(PolicyError):
+            await self.reload()
 
     async def start(self) -> None:
+        if dns_hosts(self.declared):
+            await self.discovery.refresh(dns_hosts(self.declared))
+            self._swap(self.declared)
         await self.health.start()
+        self._tasks = [asyncio.create_task(self._discover())]
+        if self.policy_path is not None:
+            self._policy_hash = _file_hash(self.policy_path)
+            self._tasks.append(asyncio.create_task(self._watch_policy_file()))
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         await self.health.stop()
         await self.client.aclose()
         await self.health_client.aclose()

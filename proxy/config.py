@@ -376,3 +376,33 @@ def policy_from_text(
         if value is not None:
             apply_override(data, dotted.split("."), value)
     return build_policy(data)
+
+
+# ---------------------------------------------------------------------------- reloading
+
+
+def _get(policy: Policy, dotted: str) -> Any:
+    node: Any = policy
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def restart_changes(old: Policy, new: Policy) -> list[str]:
+    """Keys a reload changed that only a restart can apply (``RESTART_KEYS``)."""
+    return [key for key in RESTART_KEYS if _get(old, key) != _get(new, key)]
+
+
+def keep_restart_keys(old: Policy, new: Policy) -> Policy:
+    """``new`` with the restart-only keys as they were: the process keeps running with what
+    it started with, and the rest of the reload applies."""
+    changed = restart_changes(old, new)
+    if not changed:
+        return new
+    sections: dict[str, dict[str, Any]] = {}
+    for key in changed:
+        section, field = key.split(".", 1)
+        sections.setdefault(section, {})[field] = _get(old, key)
+    return new.model_copy(
+        update={s: getattr(new, s).model_copy(update=f) for s, f in sections.items()}
+    )

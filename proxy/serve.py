@@ -72,6 +72,14 @@ class GatewayServer(uvicorn.Server):
         self.gateway = gateway
         self.drain_deadline: float | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # SIGHUP reloads the policy file (as nginx and HAProxy do).
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: loop.create_task(self.gateway.reload_logged())
+        )
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_deadline is None:
             grace = self.gateway.policy.server.shutdown_grace_s
