@@ -172,8 +172,14 @@ class BurstResult:
 
 
 async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None) -> BurstResult:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                       "stream": True, "max_tokens": 64}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 64,
+        }
+    ).encode()
     payload = request_bytes(port, body)
     clients = [await connect(port) for _ in range(concurrency)]
     for c in clients:  # warm-up: connections and the gateway's pool
@@ -203,8 +209,14 @@ async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None
 
 
 async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                       "stream": True, "max_tokens": 64}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 64,
+        }
+    ).encode()
     payload = request_bytes(port, body)
     clients = [await connect(port) for _ in range(streams)]
     await asyncio.gather(*(c.send(payload) for c in clients[:8]))  # warm-up
@@ -243,23 +255,53 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
     gw_port = free_port()
     with contextlib.ExitStack() as stack:
         for p in ports:
-            stack.enter_context(process(
-                [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(p),
-                 "--tokens", "64", "--interval-ms", str(interval_ms)], p))  # fmt: skip
+            stack.enter_context(
+                process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "loadtest.fake_upstream",
+                        "--port",
+                        str(p),
+                        "--tokens",
+                        "64",
+                        "--interval-ms",
+                        str(interval_ms),
+                    ],
+                    p,
+                )
+            )
         policy = {
             "server": {"host": "127.0.0.1", "port": gw_port},
-            "pools": {"p": {"balance": "least_loaded", "replicas": [
-                {"url": f"http://127.0.0.1:{p}", "max_in_flight": 1024} for p in ports]}},
+            "pools": {
+                "p": {
+                    "balance": "least_loaded",
+                    "replicas": [
+                        {"url": f"http://127.0.0.1:{p}", "max_in_flight": 1024} for p in ports
+                    ],
+                }
+            },
             "lanes": [{"name": "all", "pool": "p"}],
-        }  # fmt: skip
+        }
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         path = Path(tmp) / "policy.yaml"
         path.write_text(yaml.safe_dump(policy))
         env_log = stack.enter_context(open(Path(tmp) / "gw.log", "w"))
         gw = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(path), "--log-level",
-             "warning"], stdout=env_log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--config",
+                str(path),
+                "--log-level",
+                "warning",
+            ],
+            stdout=env_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         stack.callback(lambda: (os.killpg(gw.pid, signal.SIGTERM), gw.wait(10)))
         wait_ready(gw_port)
         yield ports, gw_port, gw.pid
@@ -278,9 +320,16 @@ def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
                 direct.append(asyncio.run(burst_run(ports[0], conc, seconds, None)).summary())
                 through.append(asyncio.run(burst_run(gw_port, conc, seconds, pid)).summary())
             d, g = median_of(direct), median_of(through)
-            rows.append({"mode": "burst", "concurrency": conc, "direct": d, "gateway": g,
-                         "added_ttft_p50_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
-                         "added_ttft_p99_ms": g["ttft_p99_ms"] - d["ttft_p99_ms"]})  # fmt: skip
+            rows.append(
+                {
+                    "mode": "burst",
+                    "concurrency": conc,
+                    "direct": d,
+                    "gateway": g,
+                    "added_ttft_p50_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
+                    "added_ttft_p99_ms": g["ttft_p99_ms"] - d["ttft_p99_ms"],
+                }
+            )
     return rows
 
 
@@ -289,10 +338,15 @@ def run_paced(repeat: int, streams: int = 256) -> dict[str, Any]:
         direct = [asyncio.run(paced_run(ports[0], streams, None)) for _ in range(repeat)]
         through = [asyncio.run(paced_run(gw_port, streams, pid)) for _ in range(repeat)]
     d, g = median_of(direct), median_of(through)
-    return {"mode": "paced", "streams": streams, "direct": d, "gateway": g,
-            "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
-            "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
-            "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"]}  # fmt: skip
+    return {
+        "mode": "paced",
+        "streams": streams,
+        "direct": d,
+        "gateway": g,
+        "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
+        "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
+        "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,31 +366,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode in ("burst", "both"):
         rows = run_burst(args.seconds, args.repeat)
         out["burst"] = rows
-        print(f"burst mode: 64-token stream in one write, two upstreams, {args.seconds:g}s runs,"
-              f" median of {args.repeat}")  # fmt: skip
-        print(f"{'conc':>4} | {'direct p50':>10} {'p99':>7} {'req/s':>7} | {'gateway p50':>11} "
-              f"{'p99':>7} {'req/s':>7} {'CPU ms/req':>10} | {'+p50 ms':>7} {'+p99 ms':>7} | err")  # fmt: skip
+        print(
+            f"burst mode: 64-token stream in one write, two upstreams, {args.seconds:g}s runs,"
+            f" median of {args.repeat}"
+        )
+        print(
+            f"{'conc':>4} | {'direct p50':>10} {'p99':>7} {'req/s':>7} | {'gateway p50':>11} "
+            f"{'p99':>7} {'req/s':>7} {'CPU ms/req':>10} | {'+p50 ms':>7} {'+p99 ms':>7} | err"
+        )
         for r in rows:
             d, g = r["direct"], r["gateway"]
-            print(f"{r['concurrency']:>4} | {d['ttft_p50_ms']:>10.2f} {d['ttft_p99_ms']:>7.2f} "
-                  f"{d['rps']:>7.0f} | {g['ttft_p50_ms']:>11.2f} {g['ttft_p99_ms']:>7.2f} "
-                  f"{g['rps']:>7.0f} {g['cpu_ms_per_req']:>10.3f} | "
-                  f"{r['added_ttft_p50_ms']:>+7.2f} {r['added_ttft_p99_ms']:>+7.2f} | "
-                  f"{int(g['errors'] + d['errors'])}")  # fmt: skip
+            print(
+                f"{r['concurrency']:>4} | {d['ttft_p50_ms']:>10.2f} {d['ttft_p99_ms']:>7.2f} "
+                f"{d['rps']:>7.0f} | {g['ttft_p50_ms']:>11.2f} {g['ttft_p99_ms']:>7.2f} "
+                f"{g['rps']:>7.0f} {g['cpu_ms_per_req']:>10.3f} | "
+                f"{r['added_ttft_p50_ms']:>+7.2f} {r['added_ttft_p99_ms']:>+7.2f} | "
+                f"{int(g['errors'] + d['errors'])}"
+            )
         print("(direct = the load generator and one upstream alone: the generator's ceiling)")
     if args.mode in ("paced", "both"):
         p = run_paced(args.repeat)
         out["paced"] = p
         d, g = p["direct"], p["gateway"]
-        print(f"\npaced mode: {p['streams']} streams x 64 tokens, 50 ms apart, median of "
-              f"{args.repeat}")
-        print(f"  ITL direct  p50 {d['itl_p50_ms']:.2f}  p99 {d['itl_p99_ms']:.2f}  "
-              f"max {d['itl_max_ms']:.2f} ms")
-        print(f"  ITL gateway p50 {g['itl_p50_ms']:.2f}  p99 {g['itl_p99_ms']:.2f}  "
-              f"max {g['itl_max_ms']:.2f} ms")
-        print(f"  added ITL p50 {p['added_itl_p50_ms']:+.2f}  p99 {p['added_itl_p99_ms']:+.2f}"
-              f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
-              f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk")
+        print(
+            f"\npaced mode: {p['streams']} streams x 64 tokens, 50 ms apart, median of "
+            f"{args.repeat}"
+        )
+        print(
+            f"  ITL direct  p50 {d['itl_p50_ms']:.2f}  p99 {d['itl_p99_ms']:.2f}  "
+            f"max {d['itl_max_ms']:.2f} ms"
+        )
+        print(
+            f"  ITL gateway p50 {g['itl_p50_ms']:.2f}  p99 {g['itl_p99_ms']:.2f}  "
+            f"max {g['itl_max_ms']:.2f} ms"
+        )
+        print(
+            f"  added ITL p50 {p['added_itl_p50_ms']:+.2f}  p99 {p['added_itl_p99_ms']:+.2f}"
+            f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
+            f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -67,8 +67,14 @@ def stream_events(tokens: int, usage: bool = False, token_bytes: int = 0) -> lis
     events.append(_chunk(tokens + 1, "", "length"))
     if usage:
         u = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
-        obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
-               "model": MODEL, "choices": [], "usage": u}  # fmt: skip
+        obj = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [],
+            "usage": u,
+        }
         events.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
@@ -77,19 +83,42 @@ def stream_events(tokens: int, usage: bool = False, token_bytes: int = 0) -> lis
 def _plain(tokens: int) -> bytes:
     return json.dumps(
         {
-            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant",
-                         "content": " ".join(f"tok{i}" for i in range(tokens))},
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": tokens,
-                      "total_tokens": 10 + tokens},
-        }  # fmt: skip
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": " ".join(f"tok{i}" for i in range(tokens)),
+                    },
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": tokens,
+                "total_tokens": 10 + tokens,
+            },
+        }
     ).encode()
 
 
 _MODELS = json.dumps(
-    {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm",
-                                 "root": MODEL, "max_model_len": 32768}]}  # fmt: skip
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": MODEL,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": MODEL,
+                "max_model_len": 32768,
+            }
+        ],
+    }
 ).encode()
 
 
@@ -163,13 +192,17 @@ class FakeUpstream:
             w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
             return
         if path == "/v1/models":
-            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
-                    b"\r\n\r\n%s" % (len(_MODELS), _MODELS))  # fmt: skip
+            w.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                b"\r\n\r\n%s" % (len(_MODELS), _MODELS)
+            )
             return
         if path == "/metrics":
             text = self._metrics()
-            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(text), text))  # fmt: skip
+            w.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(text), text)
+            )
             return
         self.stats.requests += 1
         body: dict[str, Any] = json.loads(raw) if raw else {}
@@ -177,23 +210,37 @@ class FakeUpstream:
             self.stats.bodies.append(body)
             self.stats.headers.append(headers)
         if self.fail_status is not None:
-            payload = json.dumps({"error": {"message": "fake failure", "type": "Error",
-                                            "param": None, "code": self.fail_status}}).encode()
-            w.write(b"HTTP/1.1 %d Fail\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (self.fail_status, len(payload), payload))
-            return  # fmt: skip
+            payload = json.dumps(
+                {
+                    "error": {
+                        "message": "fake failure",
+                        "type": "Error",
+                        "param": None,
+                        "code": self.fail_status,
+                    }
+                }
+            ).encode()
+            w.write(
+                b"HTTP/1.1 %d Fail\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (self.fail_status, len(payload), payload)
+            )
+            return
         tokens = int(body.get("max_tokens") or self.tokens)
         if not body.get("stream"):
             payload = _plain(tokens)
-            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
-                    b"\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+            w.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                b"\r\n\r\n%s" % (len(payload), payload)
+            )
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = stream_events(tokens, usage, int(body.get("fake_token_bytes") or 0))
         interval = float(body.get("fake_interval_ms", self.interval_s * 1000)) / 1000
         paced = interval > 0 or "fake_interval_ms" in body
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
         try:
             if not paced and not self.first_token_delay_s and self.cut_after is None:
                 data = b"".join(events)

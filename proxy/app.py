@@ -41,7 +41,7 @@ from .errors import (
     Rejected,
     error_body,
 )
-from .fleet import Fleet, ReplicaState
+from .fleet import Fleet
 from .health import HealthMonitor
 from .metrics import Metrics
 from .ratelimit import LocalRateLimiter
@@ -133,17 +133,24 @@ class Gateway:
                 new = load_policy(self.policy_path, environ=self.environ)
             except PolicyError as exc:
                 self.metrics.reloads.labels("invalid").inc()
-                log.warning("policy reload refused, keeping version %d: %s", self.version,
-                            "; ".join(exc.problems))  # fmt: skip
+                log.warning(
+                    "policy reload refused, keeping version %d: %s",
+                    self.version,
+                    "; ".join(exc.problems),
+                )
                 raise
             self.needs_restart = restart_changes(self.declared, new)
             self._swap(keep_restart_keys(self.declared, new))
             self.version += 1
             self._policy_hash = _file_hash(self.policy_path)
             self.metrics.reloads.labels("ok").inc()
-            log.info("policy reloaded: version %d%s", self.version,
-                     f" (restart needed for {', '.join(self.needs_restart)})"
-                     if self.needs_restart else "")  # fmt: skip
+            log.info(
+                "policy reloaded: version %d%s",
+                self.version,
+                f" (restart needed for {', '.join(self.needs_restart)})"
+                if self.needs_restart
+                else "",
+            )
             return self.version
 
     def _swap(self, declared: Policy) -> None:
@@ -271,7 +278,6 @@ class ShuttingDown(Rejected):
     one; the client should go to another instance."""
 
 
-
 async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
     """The whole request body, refused with 413 as soon as it passes ``limit``."""
     if content_length is not None and content_length > limit:
@@ -361,8 +367,10 @@ class RelayEndpoint:
             if gw.shutting_down:
                 raise ShuttingDown(
                     "the gateway is shutting down; retry on another instance",
-                    status=503, reason="shutdown", retry_after_s=1.0,
-                )  # fmt: skip
+                    status=503,
+                    reason="shutdown",
+                    retry_after_s=1.0,
+                )
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
             key = gw.guard.authenticate(scope["headers"]) if gw.guard.enabled else None
@@ -527,7 +535,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error in %s", request.url.path, exc_info=exc)
-    return _json(error_body("internal error in the gateway; see its log", "InternalServerError"), 500)
+    return _json(
+        error_body("internal error in the gateway; see its log", "InternalServerError"), 500
+    )
 
 
 class GatewayApp:

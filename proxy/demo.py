@@ -20,10 +20,15 @@ DEMO_POLICY = Path(__file__).with_name("policy.demo.yaml")
 # replica takes small steps so a long prompt never holds a short one for long; the bulk
 # replicas batch big prefills and cache prefixes.
 POOL_ENGINE_ARGS: dict[str, list[str]] = {
-    "interactive": ["--max-num-batched-tokens", "512", "--enable-chunked-prefill",
-                    "--max-num-seqs", "64"],
+    "interactive": [
+        "--max-num-batched-tokens",
+        "512",
+        "--enable-chunked-prefill",
+        "--max-num-seqs",
+        "64",
+    ],
     "bulk": ["--enable-prefix-caching", "--max-num-seqs", "128"],
-}  # fmt: skip
+}
 
 
 def sim_specs(policy: Policy) -> list[tuple[str, list[str]]]:
@@ -32,8 +37,15 @@ def sim_specs(policy: Policy) -> list[tuple[str, list[str]]]:
     for pool_name, pool in policy.pools.items():
         for replica in pool.replicas:
             parts = urlsplit(replica.url)
-            args = ["--host", parts.hostname or "127.0.0.1", "--port", str(parts.port or 80),
-                    "--name", replica.label, *POOL_ENGINE_ARGS.get(pool_name, [])]  # fmt: skip
+            args = [
+                "--host",
+                parts.hostname or "127.0.0.1",
+                "--port",
+                str(parts.port or 80),
+                "--name",
+                replica.label,
+                *POOL_ENGINE_ARGS.get(pool_name, []),
+            ]
             specs.append((replica.label, args))
     return specs
 
@@ -50,16 +62,17 @@ def banner(policy: Policy, urls: dict[str, str]) -> str:
         "",
         "Try:",
         f"  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\",
-        "    -d '{\"model\": \"Qwen/Qwen2.5-0.5B-Instruct\", \"stream\": true, "
-        "\"max_tokens\": 32, \"messages\": [{\"role\": \"user\", \"content\": \"Say hello\"}]}'",
+        '    -d \'{"model": "Qwen/Qwen2.5-0.5B-Instruct", "stream": true, '
+        '"max_tokens": 32, "messages": [{"role": "user", "content": "Say hello"}]}\'',
         "",
-        "  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"" + base + "/v1\", "
-        "api_key=\"x\"); print(c.chat.completions.create(model=\"Qwen/Qwen2.5-0.5B-Instruct\", "
-        "messages=[{\"role\": \"user\", \"content\": \"hi\"}], max_tokens=16)"
+        "  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"" + base + '/v1", '
+        'api_key="x"); print(c.chat.completions.create(model="Qwen/Qwen2.5-0.5B-Instruct", '
+        'messages=[{"role": "user", "content": "hi"}], max_tokens=16)'
         ".choices[0].message.content)'",
         "",
-        "  fault a replica: curl -s -XPOST " + urls.get("bulk-0", "http://127.0.0.1:8102")
-        + "/sim/fault -d '{\"fault\": \"stall\", \"duration_s\": 30}'",
+        "  fault a replica: curl -s -XPOST "
+        + urls.get("bulk-0", "http://127.0.0.1:8102")
+        + '/sim/fault -d \'{"fault": "stall", "duration_s": 30}\'',
         "",
         "Ctrl-C stops everything.",
         "",

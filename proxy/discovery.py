@@ -64,7 +64,8 @@ def expand(policy: Policy, addresses: Addresses) -> Policy:
         replicas: list[ReplicaConfig] = []
         for r in pool.replicas:
             if r.dns:
-                replicas.extend(expand_replica(r, addresses.get(urlsplit(r.url).hostname or "", ())))
+                host = urlsplit(r.url).hostname or ""
+                replicas.extend(expand_replica(r, addresses.get(host, ())))
             else:
                 replicas.append(r)
         pools[name] = pool.model_copy(update={"replicas": replicas})
@@ -94,8 +95,9 @@ class Discovery:
             try:
                 found = await self.resolver(host)
             except OSError as exc:
-                log.warning("cannot resolve %s (keeping %s): %s", host,
-                            self.addresses.get(host, []), exc)  # fmt: skip
+                log.warning(
+                    "cannot resolve %s (keeping %s): %s", host, self.addresses.get(host, []), exc
+                )
                 continue
             if found != self.addresses.get(host):
                 log.info("%s resolves to %s (was %s)", host, found, self.addresses.get(host, []))

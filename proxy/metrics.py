@@ -17,21 +17,63 @@ from .config import LaneConfig
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+)
 # Gateway overhead is sub-millisecond when healthy; resolve 50 µs to 60 s.
 OVERHEAD_BUCKETS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-    0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
-)  # fmt: skip
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    60.0,
+)
 
 REPLICA_STATES = ("probing", "healthy", "ejected", "draining")
 REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited", "unauthorized")
 EJECTION_REASONS = (
-    "stall", "silent_stream", "first_token_timeout", "health_check", "consecutive_failures",
-    "canary_failed", "operator",
-)  # fmt: skip
+    "stall",
+    "silent_stream",
+    "first_token_timeout",
+    "health_check",
+    "consecutive_failures",
+    "canary_failed",
+    "operator",
+)
 RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejected")
 
 
@@ -40,90 +82,132 @@ class Metrics:
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.requests = Counter(
-            "tokenlane_requests", "Requests answered, by lane, pool, replica and HTTP status.",
-            ["lane", "pool", "replica", "status"], registry=r,
-        )  # fmt: skip
+            "tokenlane_requests",
+            "Requests answered, by lane, pool, replica and HTTP status.",
+            ["lane", "pool", "replica", "status"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "tokenlane_ttft_seconds",
             "Request received to first content chunk sent to the client.",
-            ["lane", "pool"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.inter_token = Histogram(
-            "tokenlane_inter_token_seconds", "Gap between content chunks sent to the client.",
-            ["lane", "pool"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.duration = Histogram(
-            "tokenlane_request_duration_seconds", "Request received to response complete.",
-            ["lane", "pool"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            "tokenlane_queue_depth", "Requests waiting for dispatch, by lane.", ["lane"],
+            ["lane", "pool"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
+        self.inter_token = Histogram(
+            "tokenlane_inter_token_seconds",
+            "Gap between content chunks sent to the client.",
+            ["lane", "pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "tokenlane_request_duration_seconds",
+            "Request received to response complete.",
+            ["lane", "pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "tokenlane_queue_depth",
+            "Requests waiting for dispatch, by lane.",
+            ["lane"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
-            "tokenlane_queue_wait_seconds", "Time spent waiting for dispatch.", ["lane"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tokenlane_queue_wait_seconds",
+            "Time spent waiting for dispatch.",
+            ["lane"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.rejections = Counter(
-            "tokenlane_rejections", "Requests refused by the gateway, by lane and reason.",
-            ["lane", "reason"], registry=r,
-        )  # fmt: skip
+            "tokenlane_rejections",
+            "Requests refused by the gateway, by lane and reason.",
+            ["lane", "reason"],
+            registry=r,
+        )
         self.replica_state = Gauge(
-            "tokenlane_replica_state", "1 for the replica's current state, 0 for the others.",
-            ["pool", "replica", "state"], registry=r,
-        )  # fmt: skip
+            "tokenlane_replica_state",
+            "1 for the replica's current state, 0 for the others.",
+            ["pool", "replica", "state"],
+            registry=r,
+        )
         self.replica_in_flight = Gauge(
-            "tokenlane_replica_in_flight", "Requests this gateway has in flight to the replica.",
-            ["pool", "replica"], registry=r,
-        )  # fmt: skip
+            "tokenlane_replica_in_flight",
+            "Requests this gateway has in flight to the replica.",
+            ["pool", "replica"],
+            registry=r,
+        )
         self.ejections = Counter(
-            "tokenlane_ejections", "Replica ejections, by reason.",
-            ["pool", "replica", "reason"], registry=r,
-        )  # fmt: skip
+            "tokenlane_ejections",
+            "Replica ejections, by reason.",
+            ["pool", "replica", "reason"],
+            registry=r,
+        )
         self.retries = Counter(
-            "tokenlane_retries", "Attempts retried on another replica, by reason.",
-            ["lane", "reason"], registry=r,
-        )  # fmt: skip
+            "tokenlane_retries",
+            "Attempts retried on another replica, by reason.",
+            ["lane", "reason"],
+            registry=r,
+        )
         self.spills = Counter(
-            "tokenlane_spills", "Requests sent to a lane's spill_to pool.",
-            ["lane", "from_pool", "to_pool"], registry=r,
-        )  # fmt: skip
+            "tokenlane_spills",
+            "Requests sent to a lane's spill_to pool.",
+            ["lane", "from_pool", "to_pool"],
+            registry=r,
+        )
         self.panic = Gauge(
             "tokenlane_panic",
             "1 while the pool serves from ejected replicas because too many are out.",
-            ["pool"], registry=r,
-        )  # fmt: skip
+            ["pool"],
+            registry=r,
+        )
         self.prompt_tokens_estimated = Counter(
-            "tokenlane_prompt_tokens_estimated", "Prompt tokens as the gateway estimated them.",
-            ["pool"], registry=r,
-        )  # fmt: skip
+            "tokenlane_prompt_tokens_estimated",
+            "Prompt tokens as the gateway estimated them.",
+            ["pool"],
+            registry=r,
+        )
         self.prompt_tokens_reported = Counter(
-            "tokenlane_prompt_tokens_reported", "Prompt tokens as replicas reported them in usage.",
-            ["pool"], registry=r,
-        )  # fmt: skip
+            "tokenlane_prompt_tokens_reported",
+            "Prompt tokens as replicas reported them in usage.",
+            ["pool"],
+            registry=r,
+        )
         self.overhead = Histogram(
-            "tokenlane_overhead_seconds", "Request received to upstream request sent.",
-            ["lane"], buckets=OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tokenlane_overhead_seconds",
+            "Request received to upstream request sent.",
+            ["lane"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self.shared_state_up = Gauge(
             "tokenlane_shared_state_up",
             "1 while shared state (Redis) is reachable or not configured; 0 on local fallback.",
             registry=r,
-        )  # fmt: skip
+        )
         self.shared_state_up.set(1)
         # The policy's own bounds as series, so alert rules and dashboards compare against
         # what is configured now instead of copies that go stale on reload.
         self.lane_ttft_slo = Gauge(
-            "tokenlane_lane_ttft_slo_seconds", "The lane's ttft_slo_s (lanes that set one).",
-            ["lane"], registry=r,
-        )  # fmt: skip
+            "tokenlane_lane_ttft_slo_seconds",
+            "The lane's ttft_slo_s (lanes that set one).",
+            ["lane"],
+            registry=r,
+        )
         self.lane_max_queue = Gauge(
-            "tokenlane_lane_max_queue", "The lane's max_queue.", ["lane"], registry=r,
-        )  # fmt: skip
+            "tokenlane_lane_max_queue",
+            "The lane's max_queue.",
+            ["lane"],
+            registry=r,
+        )
         self.reloads = Counter(
-            "tokenlane_policy_reloads", "Policy reloads by result (ok, invalid).",
-            ["result"], registry=r,
-        )  # fmt: skip
+            "tokenlane_policy_reloads",
+            "Policy reloads by result (ok, invalid).",
+            ["result"],
+            registry=r,
+        )
 
     def series(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path records a handful of series

@@ -41,20 +41,40 @@ now = time.perf_counter
 # client's own credentials (a replica has its own key; a client's key must never reach it).
 DROP_UPSTREAM = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-        b"trailer", b"upgrade", b"host", b"content-length", b"expect",
-        b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+        b"authorization",
+        b"proxy-authorization",
+        b"api-key",
+        b"x-api-key",
+        b"cookie",
         b"x-request-id",
     }
-)  # fmt: skip
+)
 # Not relayed back: hop-by-hop, and framing the ASGI server redoes.
 _DROP_DOWNSTREAM = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-        b"trailer", b"upgrade", b"date", b"server", b"x-request-id",
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"date",
+        b"server",
+        b"x-request-id",
     }
-)  # fmt: skip
-_EVENT_STREAM = b"text/event-stream"
+)
+_DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
 
 CONNECT_TIMEOUT_S = 3.0
 POOL_TIMEOUT_S = 5.0
@@ -178,11 +198,7 @@ class Relay:
             if pool_name is None:
                 continue
             pool = fleet.pools[pool_name]
-            cands = [
-                r
-                for r in pool.candidates(call.model)
-                if has_room(r) and r not in call.tried
-            ]
+            cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
             if not cands:
                 continue
             key = None
@@ -208,9 +224,7 @@ class Relay:
     def any_serving(self, call: Call) -> bool:
         fleet = self.gw.fleet
         lane = call.lane
-        return any(
-            fleet.pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p
-        )
+        return any(fleet.pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p)
 
     def _retry_allowed(self) -> bool:
         budget = max(3.0, self.gw.policy.retry.budget_ratio * self.requests_in_flight)
@@ -310,12 +324,10 @@ class Relay:
             m.series(m.overhead, call.lane.name).observe(now() - call.received_at)
             try:
                 response = await self.transport.handle_async_request(request)
-            except httpx.TimeoutException as exc:
+            except httpx.TransportError as exc:  # refused, unreachable, connect timeout
                 failure = "connect"
-                raise RetryableFailure("connect", failure, f"connect to {replica.name}: {_why(exc)}")
-            except httpx.TransportError as exc:
-                failure = "connect"
-                raise RetryableFailure("connect", failure, f"connect to {replica.name}: {_why(exc)}")
+                detail = f"connect to {replica.name}: {_why(exc)}"
+                raise RetryableFailure("connect", failure, detail) from None
             await self._relay_response(call, attempt, response, send)
             if call.status >= 500:
                 failure = "upstream_5xx"
@@ -344,8 +356,9 @@ class Relay:
                     "first_token_timeout", failure, f"{replica.name} went silent"
                 ) from None
             await self._end_stream_with_error(
-                call, send, f"replica {replica.name} sent nothing for "
-                f"{call.lane.stream_idle_timeout_s:g}s"
+                call,
+                send,
+                f"replica {replica.name} sent nothing for {call.lane.stream_idle_timeout_s:g}s",
             )
         except httpx.TransportError as exc:
             failure = "reset"
@@ -387,11 +400,9 @@ class Relay:
             await self._relay_whole(call, attempt, response, send)
 
     def _response_start(self, call: Call, response: httpx.Response, status: int) -> dict[str, Any]:
-        headers = [
-            (k, v)
-            for k, v in response.headers.raw
-            if k.lower() not in _DROP_DOWNSTREAM and not (call.stream and k.lower() == b"content-length")
-        ]
+        # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
+        drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
         headers.append((b"x-request-id", call.request_id.encode()))
         if self.gw.policy.server.response_headers:
             headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
@@ -527,4 +538,12 @@ def _error_message(obj: Any) -> str:
     return str(err)[:200]
 
 
-__all__ = ["Attempt", "Call", "Rejected", "Relay", "RetryableFailure", "UpstreamClient", "make_client"]
+__all__ = [
+    "Attempt",
+    "Call",
+    "Rejected",
+    "Relay",
+    "RetryableFailure",
+    "UpstreamClient",
+    "make_client",
+]

@@ -92,8 +92,20 @@ async def gateway_process(policy: dict[str, Any], tmp: Path) -> AsyncIterator[tu
     port = free_port()
     path = tmp / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
-    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path),
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     url = f"http://127.0.0.1:{port}"
     with run_process(argv) as proc:
         try:

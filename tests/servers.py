@@ -59,7 +59,7 @@ async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Asyn
         server.should_exit = True
         try:
             await asyncio.wait_for(task, 10)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except (TimeoutError, asyncio.CancelledError):
             task.cancel()
         sock.close()
 

@@ -4,7 +4,6 @@ starting a fleet and a gateway and leaving no process behind."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,16 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def tokenlane(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "proxy", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_explain_prints_profile_lane_reasons_and_candidates(tmp_path: Path) -> None:
     request = tmp_path / "req.json"
-    request.write_text(json.dumps({
-        "model": "Qwen/Qwen2.5-0.5B-Instruct", "stream": True, "max_tokens": 64,
-        "messages": [{"role": "user", "content": "hello " * 50}],
-    }))  # fmt: skip
+    request.write_text(
+        json.dumps(
+            {
+                "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                "stream": True,
+                "max_tokens": 64,
+                "messages": [{"role": "user", "content": "hello " * 50}],
+            }
+        )
+    )
     result = tokenlane("explain", "--config", "config/policy.example.yaml", str(request), "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -83,14 +91,20 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(policy))
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "demo", "--policy", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
         r = httpx.post(
             f"http://127.0.0.1:{gw_port}/v1/chat/completions",
-            json={"model": "Qwen/Qwen2.5-0.5B-Instruct", "max_tokens": 4,
-                  "messages": [{"role": "user", "content": "hi"}]},  # fmt: skip
+            json={
+                "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
             timeout=10,
         )
         assert r.status_code == 200

@@ -76,7 +76,7 @@ def test_duplicate_pool_keys_are_refused() -> None:
 
 
 def test_duplicate_replica_names_are_refused() -> None:
-    text = GOOD.replace('name: b1', 'name: bulk-0:8000')
+    text = GOOD.replace("name: b1", "name: bulk-0:8000")
     assert any("duplicate replica name" in p for p in problems(text))
 
 
@@ -166,7 +166,11 @@ def test_check_command_exits_zero_on_a_good_policy(tmp_path: Path) -> None:
 
 def test_check_command_names_every_problem_and_exits_one(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
-    path.write_text(GOOD.replace("pool: bulk\n", "pool: bluk\n").replace("spill_to: bulk", "spill_to: interactive"))
+    path.write_text(
+        GOOD.replace("pool: bulk\n", "pool: bluk\n").replace(
+            "spill_to: bulk", "spill_to: interactive"
+        )
+    )
     result = _check(path)
     assert result.returncode == 1
     assert "lanes[1].pool: unknown pool 'bluk'" in result.stderr

@@ -39,9 +39,13 @@ CONTRACT = {
     "tokenlane_overhead_seconds": {"lane"},
     "tokenlane_shared_state_up": set(),
 }
-TYPES = {"tokenlane_queue_depth": "gauge", "tokenlane_replica_state": "gauge",
-         "tokenlane_replica_in_flight": "gauge", "tokenlane_panic": "gauge",
-         "tokenlane_shared_state_up": "gauge"}  # fmt: skip
+TYPES = {
+    "tokenlane_queue_depth": "gauge",
+    "tokenlane_replica_state": "gauge",
+    "tokenlane_replica_in_flight": "gauge",
+    "tokenlane_panic": "gauge",
+    "tokenlane_shared_state_up": "gauge",
+}
 
 
 async def scrape_after_traffic() -> AsyncIterator[str]:
@@ -57,18 +61,27 @@ async def scrape_after_traffic() -> AsyncIterator[str]:
             {"interactive": [fast.url], "bulk": [bulk_a.url, bulk_b.url], "nowhere": [dead]},
             lanes=[
                 {"name": "huge", "pool": "nowhere", "when": {"prompt_tokens_min": 3000}},
-                {"name": "short", "pool": "interactive", "when": {"stream": True},
-                 "spill_to": "bulk", "ttft_slo_s": 0.5},
+                {
+                    "name": "short",
+                    "pool": "interactive",
+                    "when": {"stream": True},
+                    "spill_to": "bulk",
+                    "ttft_slo_s": 0.5,
+                },
                 {"name": "long", "pool": "bulk"},
             ],
             health={"interval_s": 60},
-        )  # fmt: skip
+        )
         async with running_gateway(policy, ready=False) as (url, app):
             await wait_healthy(app, 3)
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 post = client.post
-                assert (await post("/v1/chat/completions", json={**CHAT, "stream": True,
-                        "stream_options": {"include_usage": True}})).status_code == 200  # fmt: skip
+                assert (
+                    await post(
+                        "/v1/chat/completions",
+                        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+                    )
+                ).status_code == 200
                 assert (await post("/v1/chat/completions", json=CHAT)).status_code == 200
                 bulk_a.fail_status = 503  # the next bulk requests are retried on bulk_b
                 for _ in range(2):
@@ -100,8 +113,11 @@ async def test_every_contract_metric_is_emitted_with_its_labels(scrape: str) -> 
             assert labels <= set(sample.labels) | {"le"}, (name, sample.labels)
         if name in TYPES:
             assert family.type == TYPES[name]
-    reasons = {(s.labels["lane"], s.labels["reason"])
-               for s in families["tokenlane_retries"].samples if s.value}  # fmt: skip
+    reasons = {
+        (s.labels["lane"], s.labels["reason"])
+        for s in families["tokenlane_retries"].samples
+        if s.value
+    }
     assert ("long", "upstream_5xx") in reasons
     rejected = {s.labels["reason"] for s in families["tokenlane_rejections"].samples if s.value}
     assert "no_replica" in rejected
@@ -134,18 +150,28 @@ async def test_access_log_is_one_json_line_per_request_without_secrets(
             with caplog.at_level("INFO", logger="tokenlane.access"):
                 async with httpx.AsyncClient(timeout=10) as client:
                     r = await client.post(
-                        url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                        url + "/v1/chat/completions",
+                        json={**CHAT, "stream": True},
                         headers={"authorization": "Bearer sk-secret-key", "x-request-id": "r-1"},
-                    )  # fmt: skip
+                    )
                     assert r.status_code == 200
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokenlane.access"]
     assert len(lines) == 1
     record = json.loads(lines[0])
-    for key in ("request_id", "lane", "pool", "replica", "status", "prompt_tokens_est",
-                "output_tokens", "queue_wait_ms", "ttft_ms", "duration_ms", "retries"):  # fmt: skip
+    for key in (
+        "request_id",
+        "lane",
+        "pool",
+        "replica",
+        "status",
+        "prompt_tokens_est",
+        "output_tokens",
+        "queue_wait_ms",
+        "ttft_ms",
+        "duration_ms",
+        "retries",
+    ):
         assert key in record, key
     assert record["request_id"] == "r-1" and record["status"] == 200 and record["lane"] == "all"
     assert record["ttft_ms"] > 0
     assert "sk-secret-key" not in lines[0]
-
-

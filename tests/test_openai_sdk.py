@@ -36,17 +36,25 @@ def sync_calls(base: str) -> dict[str, object]:
     client = openai.OpenAI(base_url=base, api_key="client-key", max_retries=0)
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=5, stream=True,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     completion = client.completions.create(model=MODEL, prompt="Once upon a", max_tokens=4)
     cstream = list(
         client.completions.create(model=MODEL, prompt="Once upon a", max_tokens=4, stream=True)
     )
     models = client.models.list()
-    return {"chat": chat, "chunks": chunks, "completion": completion, "cstream": cstream,
-            "models": models}  # fmt: skip
+    return {
+        "chat": chat,
+        "chunks": chunks,
+        "completion": completion,
+        "cstream": cstream,
+        "models": models,
+    }
 
 
 async def test_sync_client_chat_and_completions_stream_and_not(base_url: str) -> None:
@@ -105,9 +113,11 @@ async def test_sixteen_concurrent_streams(base_url: str) -> None:
 
     async def one(i: int) -> str:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"stream number {i}"}],
-            max_tokens=12, stream=True,
-        )  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": f"stream number {i}"}],
+            max_tokens=12,
+            stream=True,
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     texts = await asyncio.gather(*(one(i) for i in range(16)))

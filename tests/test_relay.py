@@ -23,7 +23,9 @@ CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "co
 
 def chat_requests(up: FakeUpstream) -> list[tuple[dict, dict]]:
     """(body, headers) of the chat requests a fake received: canaries apart."""
-    return [(b, h) for b, h in zip(up.stats.bodies, up.stats.headers) if "messages" in b]
+    return [
+        (b, h) for b, h in zip(up.stats.bodies, up.stats.headers, strict=True) if "messages" in b
+    ]
 
 
 def content_of(event: bytes) -> str:
@@ -269,13 +271,15 @@ async def test_tcp_nodelay_is_set_on_both_sides() -> None:
             downstream = [
                 o.transport.get_extra_info("socket")
                 for o in gc.get_objects()
-                if isinstance(o, HttpToolsProtocol) and o.transport is not None
+                if isinstance(o, HttpToolsProtocol)
+                and o.transport is not None
                 and not o.transport.is_closing()
             ]
             upstream = [
                 o.transport.get_extra_info("socket")
                 for o in gc.get_objects()
-                if isinstance(o, aiohttp.client_proto.ResponseHandler) and o.transport is not None
+                if isinstance(o, aiohttp.client_proto.ResponseHandler)
+                and o.transport is not None
                 and o.transport.get_extra_info("peername")[1] == up.port
             ]
             live = [s for s in downstream + upstream if s.fileno() != -1]
@@ -312,8 +316,15 @@ async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_p
                 await asyncio.gather(*(one_stream() for _ in range(99)))  # warm-up
                 base_rss = rss_bytes(pid)
                 # The stalled client: a 100 MB stream on a socket nobody reads.
-                big = json.dumps({**CHAT, "stream": True, "max_tokens": 50_000,
-                                  "fake_token_bytes": 2000, "fake_interval_ms": 0}).encode()  # fmt: skip
+                big = json.dumps(
+                    {
+                        **CHAT,
+                        "stream": True,
+                        "max_tokens": 50_000,
+                        "fake_token_bytes": 2000,
+                        "fake_interval_ms": 0,
+                    }
+                ).encode()
                 port = int(url.rsplit(":", 1)[1])
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)

@@ -39,9 +39,7 @@ def two_pool_policy(a: str, b: str, lane_pool: str) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def gateway_with_file(
-    path: Path, *, sighup: bool = False
-) -> AsyncIterator[tuple[str, Any]]:
+async def gateway_with_file(path: Path, *, sighup: bool = False) -> AsyncIterator[tuple[str, Any]]:
     """A gateway serving the policy at ``path`` the way `tokenlane serve` does."""
     app = create_app(load_policy(path, environ={}), environ={}, policy_path=str(path))
     sock = bound_socket()

@@ -15,11 +15,14 @@ QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
 LLAMA = "meta-llama/Llama-3.2-1B-Instruct"
 
 LANES = [
-    {"name": "short", "pool": "interactive",
-     "when": {"stream": True, "prompt_tokens_max": 256, "output_tokens_max": 64},
-     "default_output_tokens": 32},
+    {
+        "name": "short",
+        "pool": "interactive",
+        "when": {"stream": True, "prompt_tokens_max": 256, "output_tokens_max": 64},
+        "default_output_tokens": 32,
+    },
     {"name": "long", "pool": "bulk"},
-]  # fmt: skip
+]
 
 
 def label(sim: object) -> str:
@@ -78,9 +81,7 @@ async def test_models_still_answer_while_a_replica_is_down() -> None:
             await ll.set_fault({"fault": "refuse"})
             async with httpx.AsyncClient(base_url=url, timeout=20) as client:
                 for _ in range(50):  # let the health loop see it
-                    replica = next(
-                        r for r in app.gateway.fleet.replicas() if r.name == label(ll)
-                    )
+                    replica = next(r for r in app.gateway.fleet.replicas() if r.name == label(ll))
                     if replica.state.value != "healthy":
                         break
                     await asyncio.sleep(0.1)
@@ -106,10 +107,15 @@ async def test_passthrough_endpoints_are_relayed_unchanged() -> None:
                 assert via.status_code == 200
                 assert via.json() == direct.json()
                 assert via.headers["x-tokenlane-lane"] == "all"
-                missing = await client.post(url + "/v1/embeddings", json={"model": QWEN, "input": "x"})
+                missing = await client.post(
+                    url + "/v1/embeddings", json={"model": QWEN, "input": "x"}
+                )
                 # The simulator has no embeddings route: its 404 comes back as it is.
-                assert missing.status_code == direct_status(await client.post(
-                    sim.url + "/v1/embeddings", json={"model": QWEN, "input": "x"}))
+                assert missing.status_code == direct_status(
+                    await client.post(
+                        sim.url + "/v1/embeddings", json={"model": QWEN, "input": "x"}
+                    )
+                )
 
 
 def direct_status(resp: httpx.Response) -> int:
