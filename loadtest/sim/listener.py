@@ -1,0 +1,105 @@
+"""The listening socket of a simulator, which the network faults close, replace and reopen.
+
+``refuse`` closes the listener, so the kernel refuses connections; ``hang_accept`` puts a
+listener on the port that accepts and never answers. Both also close idle keep-alive
+connections, so a client's pooled connection cannot sneak past the fault, while responses
+already in flight finish. Lifting reopens uvicorn's listener on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+from collections.abc import Callable
+
+import uvicorn
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio only disables Nagle on sockets whose proto is IPPROTO_TCP, and
+    # with Nagle on, a response written as headers then body waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class _BlackHole(asyncio.Protocol):
+    """``hang_accept``: take the connection, read and drop everything, never answer."""
+
+    def __init__(self, conns: set[asyncio.Transport]) -> None:
+        self._conns = conns
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._conns.add(transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._conns.discard(self._transport)  # type: ignore[arg-type]
+
+
+class Listener:
+    """The uvicorn server's listening side, which faults close, replace and reopen."""
+
+    def __init__(self, server: uvicorn.Server, host: str, port: int) -> None:
+        self.server = server
+        self.host = host
+        self.port = port
+        self._hole: asyncio.Server | None = None
+        self._hole_conns: set[asyncio.Transport] = set()
+
+    def close(self) -> None:
+        """Stop listening, and close idle keep-alive connections (busy ones finish first)."""
+        for srv in self.server.servers:
+            srv.close()
+        for conn in list(self.server.server_state.connections):
+            conn.shutdown()
+
+    def abort_connections(self) -> None:
+        for conn in list(self.server.server_state.connections):
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                transport.abort()
+
+    async def open(self) -> None:
+        config = self.server.config
+        factory = functools.partial(
+            config.http_protocol_class,
+            config=config,
+            server_state=self.server.server_state,
+            app_state=self.server.lifespan.state,
+        )
+        srv = await self._create(factory)
+        self.server.servers = [srv]
+
+    async def hang(self) -> None:
+        self._hole = await self._create(lambda: _BlackHole(self._hole_conns))
+
+    def unhang(self) -> None:
+        if self._hole is not None:
+            self._hole.close()
+            self._hole = None
+        for transport in list(self._hole_conns):
+            transport.abort()
+        self._hole_conns.clear()
+
+    async def _create(self, factory: Callable[[], asyncio.BaseProtocol]) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        for _ in range(50):  # the old socket may take a moment to leave the port
+            try:
+                sock = bind_socket(self.host, self.port)
+            except OSError as exc:
+                last = exc
+                await asyncio.sleep(0.02)
+                continue
+            return await loop.create_server(factory, sock=sock, backlog=2048)
+        raise RuntimeError(f"cannot listen on {self.host}:{self.port} again: {last}")
