@@ -3,29 +3,59 @@
 The fleet is plain data mutated only on the event loop, so reading it needs no lock. The
 balancer never sees it directly: it gets a list of candidate replicas (healthy, serving the
 model) and reads their ``load``. The request path reports every attempt here
-(``attempt_started`` / ``attempt_finished``) and the health loop reports scrapes; both feed the
-state machine.
+(``attempt_started`` / ``attempt_finished``) and the health loop reports scrapes, ``/health``
+answers and canaries; both feed the state machine below. The decisions themselves (stall, cap,
+backoff, decay, which streams to end) are the pure functions of ``detect.py``.
+
+States and what moves a replica between them::
+
+    probing  --canary token within canary_timeout_s and /health 200-->  healthy
+    probing  --canary fails-->                                          ejected (canary_failed)
+    healthy  --stall / health_check / consecutive_failures /
+               first_token_timeout / silent_stream-->                   ejected
+    ejected  --ejection over (base × n, capped)-->                      probing
+    any      --operator eject-->  ejected (operator; stays until readmitted)
+    any      --operator drain-->  draining (finishes what it holds, takes nothing new)
+    any      --operator readmit--> probing (canary), or healthy with force
+
+Only ``healthy`` replicas take client requests; ``probing`` ones get canaries only. A draining
+replica is left to the operator: detectors do not move it.
+
+Slow start: for ``health.slow_start_s`` after a readmission the replica's ``weight`` ramps from
+0.1 to 1 and ``load`` reports ``(raw + 1) / weight - 1``. A least-loaded balancer equalises
+that figure, so the newcomer holds about ``weight`` times the in-flight requests of a warm peer.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .config import Policy, PoolConfig, ReplicaConfig
+from . import detect
+from .config import HealthConfig, Policy, PoolConfig, ReplicaConfig
+from .detect import Progress
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+    from .vllm import EngineSample
+
+log = logging.getLogger("tokenlane.health")
 
 
-class ReplicaState(str, Enum):
+class ReplicaState(StrEnum):
     PROBING = "probing"  # not yet (or no longer) proven to generate; gets canaries only
     HEALTHY = "healthy"  # takes client requests
     EJECTED = "ejected"  # out until its ejection ends, then back to probing
     DRAINING = "draining"  # finishes what it holds, takes nothing new
 
 
-class EjectReason(str, Enum):
+class EjectReason(StrEnum):
     STALL = "stall"
     SILENT_STREAM = "silent_stream"
     FIRST_TOKEN_TIMEOUT = "first_token_timeout"
@@ -33,6 +63,20 @@ class EjectReason(str, Enum):
     CONSECUTIVE_FAILURES = "consecutive_failures"
     CANARY_FAILED = "canary_failed"
     OPERATOR = "operator"
+
+
+# Failure kinds the request path reports, by the counter they feed.
+HARD_FAILURES = frozenset({"connect", "reset", "upstream_5xx"})
+SILENT_FAILURES = {
+    "first_token_timeout": EjectReason.FIRST_TOKEN_TIMEOUT,
+    "stream_idle": EjectReason.SILENT_STREAM,
+}
+# Ejections that a usable answer disproves (a held-back one is dropped on success).
+TRAFFIC_REASONS = frozenset(
+    {EjectReason.CONSECUTIVE_FAILURES, EjectReason.FIRST_TOKEN_TIMEOUT, EjectReason.SILENT_STREAM}
+)
+# Out of service, for the max_ejected_percent cap: not taking client requests, not by choice.
+_OUT = (ReplicaState.EJECTED, ReplicaState.PROBING)
 
 
 class StreamWatch(Protocol):
@@ -58,6 +102,8 @@ class ScrapedStats:
     kv_cache_usage: float = 0.0
     prompt_tokens_total: float = 0.0
     generation_tokens_total: float = 0.0
+    prefix_cache_queries_total: float = 0.0
+    prefix_cache_hits_total: float = 0.0
     at: float | None = None
     stale: bool = True
 
@@ -70,15 +116,27 @@ class Replica:
     url: str
     api_key: str | None = None
     state: ReplicaState = ReplicaState.PROBING
-    reason: EjectReason | None = None
+    reason: EjectReason | None = None  # why it is (or last was) out; None once healthy again
     in_flight: int = 0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> model card
-    ejections: int = 0
+    ejections: int = 0  # total, for the admin view
     ejected_until: float = 0.0
     stats: ScrapedStats = field(default_factory=ScrapedStats)
     requests_total: int = 0
-    failures_in_row: int = 0
+    failures_in_row: int = 0  # connect errors, resets, 5xx
     streams: set[StreamWatch] = field(default_factory=set)  # attempts in flight, for rescue
+    # -- health bookkeeping (fleet and health loop only) --
+    silent_in_row: int = 0  # first-token timeouts and idle streams
+    health_fails_in_row: int = 0
+    health_ok: bool = False  # the last /health answer was 200
+    progress: Progress = field(default_factory=Progress)
+    backoff_level: int = 0  # n of "the n-th ejection lasts base × n"; decays while healthy
+    level_since: float = 0.0  # reference time for the decay
+    healthy_since: float | None = None
+    weight: float = 1.0  # slow start share, 0.1..1
+    capped: EjectReason | None = None  # an ejection the max_ejected_percent cap holds back
+    since: float = 0.0  # when the current state began (fleet clock)
+    changed_at: float | None = None  # the same, as Unix time: for people and other processes
 
     @property
     def max_in_flight(self) -> int:
@@ -89,11 +147,16 @@ class Replica:
         """In-flight from this gateway plus the replica's own waiting queue.
 
         A replica whose scrape is stale counts as busy (its full ``max_in_flight``), never as idle:
-        a hung ``/metrics`` must not attract traffic.
+        a hung ``/metrics`` must not attract traffic. During slow start the figure is inflated
+        so that the replica holds about ``weight`` of a warm peer's share.
         """
         if self.stats.stale and self.stats.at is not None:
-            return self.in_flight + self.config.max_in_flight
-        return self.in_flight + self.stats.waiting
+            raw = self.in_flight + self.config.max_in_flight
+        else:
+            raw = self.in_flight + self.stats.waiting
+        if self.weight < 1.0:
+            return (raw + 1.0) / self.weight - 1.0
+        return raw
 
     @property
     def saturated(self) -> bool:
@@ -120,9 +183,24 @@ class Replica:
                 "kv_cache_usage": s.kv_cache_usage,
                 "prompt_tokens_total": s.prompt_tokens_total,
                 "generation_tokens_total": s.generation_tokens_total,
+                "prefix_cache_queries_total": s.prefix_cache_queries_total,
+                "prefix_cache_hits_total": s.prefix_cache_hits_total,
                 "stale": s.stale,
+                "scraped_at": s.at,
                 "requests_total": self.requests_total,
                 "failures_in_row": self.failures_in_row,
+                "silent_in_row": self.silent_in_row,
+                "health_fails_in_row": self.health_fails_in_row,
+                "backoff_level": self.backoff_level,
+                # the current ejection's length; None when not ejected or until readmitted
+                "ejection_s": (
+                    round(self.ejected_until - self.since, 3)
+                    if self.state is ReplicaState.EJECTED and not math.isinf(self.ejected_until)
+                    else None
+                ),
+                "weight": self.weight,
+                "state_changed_at": self.changed_at,
+                "capped": self.capped.value if self.capped else None,
             },
         }
 
@@ -133,6 +211,7 @@ class Pool:
     config: PoolConfig
     replicas: list[Replica]
     rr_counter: int = 0
+    panic: bool = False  # an ejection is held back by max_ejected_percent
 
     def candidates(self, model: str | None) -> list[Replica]:
         """Replicas that may take a client request for ``model`` now."""
@@ -147,23 +226,66 @@ def make_replica(pool: str, cfg: ReplicaConfig, environ: Mapping[str, str]) -> R
     return Replica(pool=pool, config=cfg, name=cfg.label, url=cfg.url, api_key=api_key)
 
 
+class UnknownReplica(LookupError):
+    """No replica has that URL (in that pool)."""
+
+
+class AmbiguousReplica(LookupError):
+    """The URL is in several pools and no pool was named."""
+
+
 class Fleet:
     """All pools and their replicas; the one place the request path reports to."""
 
-    def __init__(self, policy: Policy, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
+    def __init__(
+        self,
+        policy: Policy,
+        environ: Mapping[str, str] | None = None,
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        self.health: HealthConfig = policy.health
+        self.metrics = metrics
+        self.clock = clock
+        self.leaving: list[Replica] = []  # out of the policy, still finishing requests
         self.pools: dict[str, Pool] = {
-            name: Pool(name, cfg, [make_replica(name, r, env) for r in cfg.replicas])
+            name: Pool(name, cfg, [make_replica(name, r, self.environ) for r in cfg.replicas])
             for name, cfg in policy.pools.items()
         }
+        self.publish_all()
+
+    def publish_all(self) -> None:
+        """Every replica's state gauge and every pool's panic gauge, so that dashboards see
+        zeros rather than missing series."""
+        if self.metrics is None:
+            return
+        for pool in self.pools.values():
+            self.metrics.panic.labels(pool.name).set(1 if pool.panic else 0)
+            for replica in pool.replicas:
+                self.publish_state(replica)
 
     def replicas(self) -> Iterator[Replica]:
         for pool in self.pools.values():
             yield from pool.replicas
+        yield from self.leaving
 
     def find(self, url: str, pool: str | None = None) -> list[Replica]:
         url = url.rstrip("/")
         return [r for r in self.replicas() if r.url == url and (pool is None or r.pool == pool)]
+
+    def one(self, url: str, pool: str | None = None) -> Replica:
+        """The replica an operator means; ``UnknownReplica`` or ``AmbiguousReplica`` if none or
+        several match."""
+        found = self.find(url, pool)
+        if not found:
+            where = f" in pool {pool!r}" if pool is not None else ""
+            raise UnknownReplica(f"no replica with URL {url!r}{where}")
+        if len(found) > 1:
+            pools = ", ".join(sorted(r.pool for r in found))
+            raise AmbiguousReplica(f"{url!r} is in several pools ({pools}); name the pool")
+        return found[0]
 
     def models(self) -> dict[str, dict[str, Any]]:
         """The union of every replica's model cards, first seen wins (cached by the health loop,
@@ -177,7 +299,50 @@ class Fleet:
     def serves_model(self, model: str) -> bool:
         return any(model in r.models for r in self.replicas())
 
-    # -- the request path reports here -----------------------------------------------------
+    def apply(self, policy: Policy) -> bool:
+        """Take a reloaded policy: keep replicas (and their health) whose pool and URL stay,
+        add new ones in ``probing``; a replica that left the policy drains: it finishes the
+        requests it holds, takes no new ones, and is forgotten when it holds none. True when
+        the set of replicas changed (the health monitor then needs ``replicas_changed()``)."""
+        self.health = policy.health
+        old = {(r.pool, r.url): r for r in self.replicas()}
+        before = set(old)
+        pools: dict[str, Pool] = {}
+        for name, cfg in policy.pools.items():
+            replicas = []
+            for rcfg in cfg.replicas:
+                replica = old.pop((name, rcfg.url), None)
+                if replica is None:
+                    replica = make_replica(name, rcfg, self.environ)
+                    self.publish_state(replica)
+                else:
+                    replica.config = rcfg
+                    replica.name = rcfg.label
+                    replica.api_key = (
+                        self.environ.get(rcfg.api_key_env) if rcfg.api_key_env else None
+                    )
+                    if replica in self.leaving:  # back in the policy before it drained
+                        self._move(replica, ReplicaState.PROBING, None, self.clock(), "re-added")
+                replicas.append(replica)
+            previous = self.pools.get(name)
+            pool = Pool(name, cfg, replicas)
+            if previous is not None:
+                pool.rr_counter, pool.panic = previous.rr_counter, previous.panic
+            pools[name] = pool
+        leaving = []
+        for replica in old.values():  # no longer in the policy
+            if replica.in_flight == 0:
+                continue
+            if replica.state is not ReplicaState.DRAINING:
+                self._move(
+                    replica, ReplicaState.DRAINING, None, self.clock(), "removed from the policy"
+                )
+            leaving.append(replica)
+        self.pools = pools
+        self.leaving = leaving
+        return before != {(r.pool, r.url) for r in self.replicas()}
+
+    # -- the request path reports here (hot path: counters only) ----------------------------
 
     def attempt_started(self, replica: Replica) -> None:
         replica.in_flight += 1
@@ -186,8 +351,245 @@ class Fleet:
     def attempt_finished(self, replica: Replica, failure: str | None) -> None:
         """``failure`` is None for a usable answer, else a kind: ``connect``, ``reset``,
         ``upstream_5xx``, ``first_token_timeout``, ``stream_idle``."""
-        replica.in_flight -= 1
+        if replica.in_flight > 0:
+            replica.in_flight -= 1
+        if self.leaving and replica.in_flight == 0 and replica in self.leaving:
+            self.leaving.remove(replica)  # drained after leaving the policy
         if failure is None:
             replica.failures_in_row = 0
-        else:
+            replica.silent_in_row = 0
+            if replica.capped is not None and replica.capped in TRAFFIC_REASONS:
+                self._uncap(replica)
+            return
+        h = self.health
+        if failure in HARD_FAILURES:
             replica.failures_in_row += 1
+            if (
+                replica.state is ReplicaState.HEALTHY
+                and replica.failures_in_row >= h.consecutive_failures
+            ):
+                self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+            return
+        reason = SILENT_FAILURES.get(failure)
+        if reason is None:
+            log.warning("replica=%s unknown failure kind %r ignored", replica.name, failure)
+            return
+        replica.silent_in_row += 1
+        if replica.state is not ReplicaState.HEALTHY:
+            return
+        agree = detect.not_generating(
+            replica.progress, replica.stats.stale, replica.stats.at is not None, h.interval_s
+        )
+        if detect.silent_failure_ejects(replica.silent_in_row, agree):
+            self._fail(replica, reason, self.clock())
+
+    # -- the health loop reports here ------------------------------------------------------
+
+    def observe_health(self, replica: Replica, ok: bool, now: float) -> None:
+        """One ``/health`` answer (``ok`` = 200 in time)."""
+        replica.health_ok = ok
+        if ok:
+            replica.health_fails_in_row = 0
+            if replica.capped is EjectReason.HEALTH_CHECK:
+                self._uncap(replica)
+            return
+        replica.health_fails_in_row += 1
+        if (
+            replica.state is ReplicaState.HEALTHY
+            and replica.health_fails_in_row >= self.health.unhealthy_threshold
+        ):
+            self._fail(replica, EjectReason.HEALTH_CHECK, now)
+
+    def observe_scrape(self, replica: Replica, sample: EngineSample | None, now: float) -> None:
+        """One ``/metrics`` scrape; None when it failed or hung (the stats go stale)."""
+        stats = replica.stats
+        if sample is None:
+            stats.stale = True
+            return
+        stats.running = sample.running
+        stats.waiting = sample.waiting
+        stats.kv_cache_usage = sample.kv_cache_usage
+        stats.prompt_tokens_total = sample.prompt_tokens_total
+        stats.generation_tokens_total = sample.generation_tokens_total
+        stats.prefix_cache_queries_total = sample.prefix_cache_queries_total
+        stats.prefix_cache_hits_total = sample.prefix_cache_hits_total
+        stats.at = now
+        stats.stale = False
+        tokens = sample.prompt_tokens_total + sample.generation_tokens_total
+        replica.progress = detect.note_scrape(replica.progress, now, sample.running, tokens)
+        h = self.health
+        if replica.state is not ReplicaState.HEALTHY:
+            return
+        p = replica.progress
+        # Never capped: a stalled replica serves nobody, keeping it only hangs requests.
+        if detect.stalled(p, h.stall_after_s, h.interval_s):
+            detail = f"running {p.running:g}, token counters flat {detect.flat_for(p):.1f}s"
+            self._eject(replica, EjectReason.STALL, now, detail)
+        elif replica.streams and detect.traffic_stalled(
+            replica.streams, p, now, h.stall_after_s, h.interval_s
+        ):
+            detail = (
+                f"requests waiting, no stream moving, counters flat {detect.unchanged_for(p):.1f}s"
+            )
+            self._eject(replica, EjectReason.STALL, now, detail)
+
+    def canary_result(self, replica: Replica, ok: bool, now: float, detail: str = "") -> None:
+        """A canary ended: a token in time (and ``/health`` 200) readmits, anything else ejects."""
+        if replica.state is not ReplicaState.PROBING:
+            return  # the operator moved it while the canary ran
+        if ok and replica.health_ok:
+            self._readmitted(replica, now, detail or "canary answered")
+        elif not ok:
+            self._eject(replica, EjectReason.CANARY_FAILED, now, detail)
+
+    def tick(self, replica: Replica, now: float) -> None:
+        """Time-driven moves, once per health round: ejection over, decay, slow start, and
+        ejections the cap held back once there is room again."""
+        h = self.health
+        if replica.state is ReplicaState.EJECTED and now >= replica.ejected_until:
+            self._move(replica, ReplicaState.PROBING, replica.reason, now, "ejection over")
+        elif replica.state is ReplicaState.HEALTHY:
+            replica.backoff_level, replica.level_since = detect.decay(
+                replica.backoff_level, replica.level_since, now, h.eject_base_s
+            )
+            if replica.healthy_since is not None:
+                replica.weight = detect.slow_start_weight(
+                    now - replica.healthy_since, h.slow_start_s
+                )
+            if replica.capped is not None:
+                self._fail(replica, replica.capped, now)
+
+    # -- operator actions ------------------------------------------------------------------
+
+    def operator_eject(self, replica: Replica) -> None:
+        """Out until an operator readmits it; does not raise its backoff level."""
+        now = self.clock()
+        if replica.state is ReplicaState.EJECTED and replica.reason is EjectReason.OPERATOR:
+            return
+        self._eject(replica, EjectReason.OPERATOR, now, "operator", until=math.inf)
+
+    def operator_readmit(self, replica: Replica, force: bool = False) -> None:
+        """Back through a canary, or straight to healthy with ``force``. A healthy replica stays."""
+        now = self.clock()
+        if replica.state is ReplicaState.HEALTHY:
+            return
+        if force:
+            self._readmitted(replica, now, "operator readmit (force)")
+        elif replica.state is not ReplicaState.PROBING:
+            replica.ejected_until = 0.0
+            self._move(replica, ReplicaState.PROBING, replica.reason, now, "operator readmit")
+
+    def operator_drain(self, replica: Replica) -> None:
+        now = self.clock()
+        if replica.state is not ReplicaState.DRAINING:
+            self._uncap(replica)
+            self._move(replica, ReplicaState.DRAINING, None, now, "operator drain")
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def _fail(self, replica: Replica, reason: EjectReason, now: float) -> None:
+        """A failure-based ejection: subject to max_ejected_percent."""
+        pool = self.pools.get(replica.pool)
+        if pool is None or replica not in pool.replicas:
+            return  # reloaded away while a request to it was in flight
+        out = sum(1 for r in pool.replicas if r.state in _OUT)
+        if detect.may_eject(len(pool.replicas), out, self.health.max_ejected_percent):
+            self._eject(replica, reason, now, "")
+            return
+        if replica.capped is None:
+            log.warning(
+                "replica=%s pool=%s ejection for %s held back: %d of %d replicas already out "
+                "(max_ejected_percent %d); it keeps serving",
+                replica.name, replica.pool, reason.value, out, len(pool.replicas),
+                self.health.max_ejected_percent,
+            )  # fmt: skip
+        replica.capped = reason
+        self._update_panic(pool.name)
+
+    def _eject(
+        self,
+        replica: Replica,
+        reason: EjectReason,
+        now: float,
+        detail: str,
+        until: float | None = None,
+    ) -> None:
+        h = self.health
+        if until is None:
+            replica.backoff_level += 1
+            until = now + detect.backoff_s(replica.backoff_level, h.eject_base_s, h.eject_max_s)
+        replica.ejected_until = until
+        replica.ejections += 1
+        replica.healthy_since = None
+        had_cap = replica.capped is not None
+        replica.capped = None
+        if self.metrics is not None:
+            self.metrics.ejections.labels(replica.pool, replica.name, reason.value).inc()
+        lasts = "until readmitted" if math.isinf(until) else f"for {until - now:.1f}s"
+        self._move(replica, ReplicaState.EJECTED, reason, now, f"{detail} {lasts}".strip())
+        if had_cap:
+            self._update_panic(replica.pool)
+        self._rescue(replica, now)
+
+    def _readmitted(self, replica: Replica, now: float, detail: str) -> None:
+        replica.failures_in_row = 0
+        replica.silent_in_row = 0
+        replica.health_fails_in_row = 0
+        replica.ejected_until = 0.0
+        replica.progress = Progress()  # a stall before the ejection says nothing about now
+        replica.healthy_since = now
+        replica.level_since = now
+        replica.weight = detect.slow_start_weight(0.0, self.health.slow_start_s)
+        self._move(replica, ReplicaState.HEALTHY, None, now, detail)
+
+    def _rescue(self, replica: Replica, now: float) -> None:
+        """End the silent streams of an ejected replica; progressing ones go on."""
+        for watch in detect.silent_streams(list(replica.streams), now, self.health.interval_s):
+            try:
+                watch.interrupt("replica_ejected")
+            except Exception:  # one broken watch must not keep the others hanging
+                log.exception("replica=%s interrupting a stream failed", replica.name)
+
+    def _uncap(self, replica: Replica) -> None:
+        if replica.capped is not None:
+            replica.capped = None
+            self._update_panic(replica.pool)
+
+    def _update_panic(self, pool_name: str) -> None:
+        pool = self.pools.get(pool_name)
+        if pool is None:
+            return
+        panic = any(r.capped is not None for r in pool.replicas)
+        if panic != pool.panic:
+            pool.panic = panic
+            log.warning("pool=%s panic %s", pool.name, "on" if panic else "off")
+        if self.metrics is not None:
+            self.metrics.panic.labels(pool.name).set(1 if panic else 0)
+
+    def _move(
+        self,
+        replica: Replica,
+        to: ReplicaState,
+        reason: EjectReason | None,
+        now: float,
+        detail: str,
+    ) -> None:
+        before = replica.state
+        replica.state = to
+        replica.reason = reason
+        replica.since = now
+        replica.changed_at = time.time()
+        log.info(
+            "replica=%s pool=%s from=%s to=%s reason=%s %s",
+            replica.name, replica.pool, before.value, to.value,
+            reason.value if reason else None, detail,
+            extra={
+                "replica": replica.name, "pool": replica.pool, "from_state": before.value,
+                "to_state": to.value, "reason": reason.value if reason else None,
+            },
+        )  # fmt: skip
+        self.publish_state(replica)
+
+    def publish_state(self, replica: Replica) -> None:
+        if self.metrics is not None:
+            self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)

@@ -261,7 +261,13 @@ class Relay:
                 finally:
                     if is_retry:
                         self.retries_in_flight -= 1
-                if attempts >= policy.retry.max_attempts or not self._retry_allowed():
+                # Rescues of an ejected replica's requests are outside the budget: they are
+                # bounded by what that replica held, and the budget is there to stop retry
+                # storms against replicas that fail, not to fail the requests of one that died.
+                rescue = last.reason == "replica_ejected"
+                if attempts >= policy.retry.max_attempts or not (
+                    rescue or self._retry_allowed()
+                ):
                     break
                 nxt = self.try_pick(call)
                 if nxt is None:
@@ -384,9 +390,10 @@ class Relay:
         name = attempt.replica.name
         if status in (429, 503):
             await response.aread()
-            raise RetryableFailure(
-                "upstream_5xx", "upstream_5xx", f"{name} answered {status} (overloaded)"
-            )
+            # A 429 is a busy replica, not a broken one: retried, but never held against it
+            # (ejecting replicas for being busy would only push their load onto the rest).
+            failure = None if status == 429 else "upstream_5xx"
+            raise RetryableFailure("upstream_5xx", failure, f"{name} answered {status} (overloaded)")
         if status in (500, 502, 504):
             if self.gw.policy.retry.on_5xx_after_send and not call.retried_5xx:
                 call.retried_5xx = True

@@ -228,3 +228,25 @@ async def test_scaled_service_adds_probing_replicas_and_drops_vanished_ones() ->
             assert not gone or gone[0].state.value == "draining"
         finally:
             await gw.stop()
+
+
+async def test_a_removed_replica_drains_and_its_stream_finishes(tmp_path: Path) -> None:
+    async with running(tokens=40, interval_s=0.05) as a, running(tokens=2) as b:
+        path = tmp_path / "policy.yaml"
+        write_atomically(path, policy_for({"p": [a.url, b.url]}))
+        async with gateway_with_file(path) as (url, app):
+            async with httpx.AsyncClient(timeout=20) as client:
+                body = {**CHAT, "stream": True}
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    served_by = r.headers["x-tokenlane-replica"]
+                    removed = a if served_by == a.url.removeprefix("http://") else b
+                    kept = b if removed is a else a
+                    write_atomically(path, policy_for({"p": [kept.url]}))
+                    await app.gateway.reload()
+                    rows = (await client.get(url + "/admin/replicas")).json()["replicas"]
+                    states = {row["url"]: row["state"] for row in rows}
+                    assert states[removed.url] == "draining"
+                    text = "".join([chunk async for chunk in r.aiter_text()])
+                assert text.rstrip().endswith("data: [DONE]")  # finished where it started
+                rows = (await client.get(url + "/admin/replicas")).json()["replicas"]
+                assert [row["url"] for row in rows] == [kept.url]

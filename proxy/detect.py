@@ -1,0 +1,179 @@
+"""Detectors and ejection arithmetic: pure functions over a replica's recent observations.
+
+No I/O and no clock of their own: every function takes the times it needs, so tests drive them
+with made-up numbers. ``fleet.py`` owns the state and calls these to decide.
+
+Decisions documented here (DESIGN 4.2 / 5 leave them open):
+
+- **Stall.** A stall is declared from scrapes alone: ``running > 0`` at every scrape of a span of
+  at least ``stall_after_s`` during which prompt + generation counters did not change. The span
+  starts at the first scrape that showed the current counter values (the conservative end: the
+  engine may have moved just before it), and half an interval of slack absorbs scheduling jitter
+  between scrapes. A counter that goes down (replica restarted) counts as progress.
+- **Stall seen from traffic.** An engine that hangs while idle keeps ``running == 0`` in its
+  frozen metrics: the scrape cannot tell it from an idle one. The gateway's own requests can:
+  one waiting ``stall_after_s`` for its first content, no content stream moving, and the
+  counters flat over the same span is a stall too (``traffic_stalled``).
+- **Silent streams.** One first-token timeout (or idle stream) can be a merely slow replica. It
+  ejects only when the replica's own metrics agree that it is not generating (counters flat over
+  at least two scrapes, or ``/metrics`` not answering), or when ``SILENT_IN_ROW`` attempts in a
+  row on it went silent with no success between.
+- **Cap.** At most ``max_ejected_percent`` of a pool may be out for failure-based reasons,
+  rounded down but at least one replica when the percentage is above 0 (as Envoy does), so a
+  one-replica pool with a ``spill_to`` can still shed a dead replica. Replicas that are out for
+  any reason (ejected or probing) count against the cap; a stall ejects regardless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+SILENT_IN_ROW = 3  # silent attempts in a row that eject even when the counters still move
+SLOW_START_FLOOR = 0.1  # a replica in slow start never weighs less than this
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the scrapes said about token progress, reduced to what the detectors need.
+
+    ``flat_since``: the first scrape that showed the current counter values while busy; None
+    when idle (``running == 0``) or never scraped. ``unchanged_since``: the first scrape that
+    showed the current values, busy or not. ``last_at``: the latest successful scrape.
+    """
+
+    tokens: float | None = None
+    running: float = 0.0
+    flat_since: float | None = None
+    unchanged_since: float | None = None
+    last_at: float | None = None
+
+
+def note_scrape(p: Progress, at: float, running: float, tokens: float) -> Progress:
+    """Fold one successful scrape (prompt + generation counter total) into the progress view."""
+    moved = p.tokens is None or tokens != p.tokens
+    unchanged_since = at if moved or p.unchanged_since is None else p.unchanged_since
+    if running <= 0:
+        flat_since = None
+    else:
+        flat_since = at if moved or p.flat_since is None else p.flat_since
+    return Progress(tokens, running, flat_since, unchanged_since, at)
+
+
+def flat_for(p: Progress) -> float:
+    """Seconds the counters were seen flat while busy (0 when idle or unknown)."""
+    if p.running <= 0 or p.flat_since is None or p.last_at is None:
+        return 0.0
+    return p.last_at - p.flat_since
+
+
+def unchanged_for(p: Progress) -> float:
+    """Seconds the counters were seen flat, busy or idle (0 when unknown)."""
+    if p.unchanged_since is None or p.last_at is None:
+        return 0.0
+    return p.last_at - p.unchanged_since
+
+
+def stalled(p: Progress, stall_after_s: float, interval_s: float) -> bool:
+    """Running > 0 and counters flat for ``stall_after_s`` (half an interval of slack)."""
+    return (
+        p.running > 0
+        and p.flat_since is not None
+        and (flat_for(p) >= stall_after_s - interval_s / 2)
+    )
+
+
+def not_generating(p: Progress, stale: bool, ever_scraped: bool, interval_s: float) -> bool:
+    """Do the metrics back a silent-stream report? Counters flat over two scrapes or more
+    (busy or not: a request waiting for its first token should have moved them), or no
+    answer from ``/metrics`` (a replica never scraped gives no evidence either way)."""
+    if stale:
+        return ever_scraped
+    return p.unchanged_since is not None and unchanged_for(p) >= interval_s / 2
+
+
+class Watched(Protocol):
+    last_progress: float
+    content_sent: bool
+
+
+W = TypeVar("W", bound=Watched)
+
+
+def traffic_stalled(
+    streams: Iterable[Watched], p: Progress, now: float, stall_after_s: float, interval_s: float
+) -> bool:
+    """The stall seen from the gateway's own traffic, for an engine whose metrics froze with
+    ``running == 0`` (new requests never reach it, so the scrape looks idle).
+
+    Stalled when a request of ours has waited ``stall_after_s`` for its first content, no
+    stream of ours that did get content has moved for that long either, and the counters stood
+    still over the same span. Content streams that are merely silent are no evidence on their
+    own: a client that stops reading stops its stream, not the replica.
+    """
+    if unchanged_for(p) < stall_after_s - interval_s / 2:
+        return False
+    waited = False
+    for w in streams:
+        if now - w.last_progress < stall_after_s:
+            if w.content_sent:
+                return False  # something still flows from it
+        elif not w.content_sent:
+            waited = True
+    return waited
+
+
+def silent_failure_ejects(silent_in_row: int, metrics_agree: bool) -> bool:
+    return metrics_agree or silent_in_row >= SILENT_IN_ROW
+
+
+# ---------------------------------------------------------------------------- ejection arithmetic
+
+
+def backoff_s(level: int, base_s: float, max_s: float) -> float:
+    """How long the ``level``-th ejection in a row lasts: base × level, capped."""
+    return min(base_s * max(level, 1), max_s)
+
+
+def decay(level: int, since: float, now: float, base_s: float) -> tuple[int, float]:
+    """The backoff level drops by one per ``base_s`` spent healthy.
+
+    Returns the new level and the new reference time (``since`` advanced by the steps taken, so
+    partial progress toward the next step is kept).
+    """
+    if level <= 0 or now <= since:
+        return max(level, 0), since
+    steps = min(int((now - since) // base_s), level)
+    return level - steps, since + steps * base_s
+
+
+def ejection_cap(pool_size: int, max_percent: int) -> int:
+    """How many replicas of a pool may be out for failure-based reasons."""
+    if max_percent <= 0 or pool_size <= 0:
+        return 0
+    return max(1, math.floor(pool_size * max_percent / 100))
+
+
+def may_eject(pool_size: int, out_now: int, max_percent: int) -> bool:
+    """Would one more failure-based ejection stay within the cap?"""
+    return out_now + 1 <= ejection_cap(pool_size, max_percent)
+
+
+def slow_start_weight(healthy_for_s: float, slow_start_s: float) -> float:
+    """Share of a fully warm replica that a just-readmitted one should get: linear from
+    ``SLOW_START_FLOOR`` to 1 over ``slow_start_s``."""
+    if slow_start_s <= 0 or healthy_for_s >= slow_start_s:
+        return 1.0
+    return max(SLOW_START_FLOOR, healthy_for_s / slow_start_s)
+
+
+# ---------------------------------------------------------------------------- rescue
+
+
+def silent_streams(streams: Iterable[W], now: float, quiet_s: float) -> list[W]:
+    """Streams to end when their replica is ejected: those that sent the client nothing yet
+    (retrying them elsewhere costs the client nothing) and those with no chunk for
+    ``quiet_s``. A stream that still progresses keeps going."""
+    return [w for w in streams if not w.content_sent or now - w.last_progress >= quiet_s]

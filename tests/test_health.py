@@ -1,0 +1,252 @@
+"""The health loop against simulated vLLM replicas over real sockets: canary admission, each
+fault ending in ejection with its reason, readmission only after the fault lifts, and a hung
+replica delaying nobody else's probes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.sim.server import Sim, run_sim
+from proxy.config import build_policy
+from proxy.fleet import EjectReason, Fleet, Replica, ReplicaState
+from proxy.health import HealthMonitor
+from proxy.metrics import Metrics
+from proxy.relay import make_client
+
+HEALTH = {
+    "interval_s": 0.1,
+    "timeout_s": 0.5,
+    "stall_after_s": 1.0,
+    "unhealthy_threshold": 2,
+    "eject_base_s": 0.5,
+    "eject_max_s": 2.0,
+    "canary_timeout_s": 1.0,
+    "max_ejected_percent": 100,
+}
+
+
+@dataclass
+class Transition:
+    at: float  # monotonic
+    replica: str
+    from_state: str
+    to_state: str
+    reason: str | None
+
+
+class Recorder(logging.Handler):
+    """Every state change the fleet logs, with its structured fields."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[Transition] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "to_state"):
+            self.seen.append(
+                Transition(
+                    time.monotonic(),
+                    record.replica,
+                    record.from_state,
+                    record.to_state,
+                    record.reason,
+                )
+            )
+
+    def of(self, replica: Replica) -> list[Transition]:
+        return [t for t in self.seen if t.replica == replica.name]
+
+
+@pytest.fixture
+def transitions() -> AsyncIterator[Recorder]:
+    logger = logging.getLogger("tokenlane.health")
+    recorder, level = Recorder(), logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.INFO)
+    yield recorder
+    logger.removeHandler(recorder)
+    logger.setLevel(level)
+
+
+@contextlib.asynccontextmanager
+async def sims(n: int) -> AsyncIterator[list[Sim]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(run_sim(name=f"sim{i}")) for i in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def monitored(urls: list[str], **health: Any) -> AsyncIterator[Fleet]:
+    policy = build_policy(
+        {
+            "pools": {"p": {"replicas": [{"url": u} for u in urls]}},
+            "lanes": [{"name": "all", "pool": "p"}],
+            "health": {**HEALTH, **health},
+        }
+    )
+    metrics = Metrics()
+    fleet = Fleet(policy, {}, metrics=metrics)
+    client = make_client(policy)
+    monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+    await monitor.start()
+    try:
+        yield fleet
+    finally:
+        await monitor.stop()
+        await client.aclose()
+
+
+async def until(pred: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Wait until ``pred()`` holds; return when (monotonic). Fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic()
+
+
+async def stream_load(sim: Sim, n: int) -> list[asyncio.Task[None]]:
+    """``n`` long streams running on ``sim`` (so it has running > 0); returns once they run."""
+
+    async def one(client: httpx.AsyncClient) -> None:
+        body = {
+            "model": "Qwen/Qwen2.5-0.5B-Instruct",
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+            "max_tokens": 20000,
+            "stream": True,
+        }
+        async with client.stream("POST", sim.url + "/v1/chat/completions", json=body) as resp:
+            async for _ in resp.aiter_raw():
+                pass
+
+    client = httpx.AsyncClient(timeout=60)
+    tasks = [asyncio.create_task(one(client)) for _ in range(n)]
+    tasks.append(asyncio.create_task(_close_when_done(client, tasks[:])))
+    await until(lambda: sim.engine.num_running >= n, 5, "load running")
+    return tasks
+
+
+async def _close_when_done(client: httpx.AsyncClient, tasks: list[asyncio.Task[None]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.aclose()
+
+
+def canaries(sim: Sim) -> list[dict[str, Any]]:
+    return [
+        r for r in sim.requests("/v1/completions") if r["headers"].get("x-tokenlane-canary") == "1"
+    ]
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+async def test_health_admits_each_replica_after_its_canary(transitions: Recorder) -> None:
+    async with sims(2) as (a, b), monitored([a.url, b.url]) as fleet:
+        ra, rb = fleet.replicas()
+        await until(lambda: ra.state is rb.state is ReplicaState.HEALTHY, 5, "both healthy")
+        assert fleet.models().keys() == {"Qwen/Qwen2.5-0.5B-Instruct"}
+        assert len(canaries(a)) == 1 and len(canaries(b)) == 1
+        assert canaries(a)[0]["body"]["max_tokens"] == 1
+        assert [(t.from_state, t.to_state) for t in transitions.of(ra)] == [("probing", "healthy")]
+        assert not ra.stats.stale and ra.stats.at is not None
+
+
+# ---------------------------------------------------------------------------- stall
+
+
+async def test_health_ejects_stalled_replica_and_readmits_only_after_lift(
+    transitions: Recorder,
+) -> None:
+    async with sims(1) as (sim,), monitored([sim.url]) as fleet:
+        (r,) = fleet.replicas()
+        await until(lambda: r.state is ReplicaState.HEALTHY, 5, "healthy")
+        load = await stream_load(sim, 3)
+        try:
+            await asyncio.sleep(0.3)
+            stalled_at = time.monotonic()
+            await sim.set_fault({"fault": "stall"})
+            ejected_at = await until(lambda: r.state is ReplicaState.EJECTED, 5, "ejected")
+            assert r.reason is EjectReason.STALL
+            # stall_after_s 1 + interval_s 0.1 is the target; the slack absorbs a loaded CI box.
+            assert ejected_at - stalled_at < 1.1 + 1.0
+            # Stalled, its canaries time out: out it stays, through probing and back.
+            await asyncio.sleep(2.5)
+            assert r.state is not ReplicaState.HEALTHY
+            assert any(t.reason == "canary_failed" for t in transitions.of(r))
+            lifted_at = time.monotonic()
+            await sim.set_fault(None)
+            await until(lambda: r.state is ReplicaState.HEALTHY, 6, "readmitted after lift")
+        finally:
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+    healthy = [t.at for t in transitions.of(r) if t.to_state == "healthy"]
+    assert len(healthy) == 2 and stalled_at < lifted_at < healthy[1]
+
+
+async def test_idle_replica_with_frozen_counters_is_not_a_stall() -> None:
+    async with sims(1) as (sim,), monitored([sim.url]) as fleet:
+        (r,) = fleet.replicas()
+        await until(lambda: r.state is ReplicaState.HEALTHY, 5, "healthy")
+        await sim.set_fault({"fault": "stall"})  # nothing running: nothing to stall
+        await asyncio.sleep(1.8)
+        assert r.state is ReplicaState.HEALTHY
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"fault": "health_fail", "status": 503},
+        {"fault": "refuse"},
+        {"fault": "hang_accept"},
+        {"fault": "crash"},
+    ],
+    ids=lambda f: f["fault"],
+)
+async def test_fault_ejects_for_health_check_and_lifts_to_readmission(
+    fault: dict[str, Any], transitions: Recorder
+) -> None:
+    duration = 1.5
+    async with sims(1) as (sim,), monitored([sim.url]) as fleet:
+        (r,) = fleet.replicas()
+        await until(lambda: r.state is ReplicaState.HEALTHY, 5, "healthy")
+        set_at = time.monotonic()
+        await sim.set_fault({**fault, "duration_s": duration})
+        await until(lambda: r.state is ReplicaState.EJECTED, 3, "ejected")
+        assert r.reason is EjectReason.HEALTH_CHECK
+        readmitted_at = await until(
+            lambda: r.state is ReplicaState.HEALTHY, duration + 5, "readmitted after the fault"
+        )
+    assert readmitted_at >= set_at + duration
+    # Never back in while the fault held (a canary cannot pass a dead port or a failing /health).
+    back = [t.at for t in transitions.of(r) if t.to_state == "healthy" and t.at > set_at]
+    assert back and min(back) >= set_at + duration - 0.05
+
+
+async def test_hang_accept_delays_no_other_replicas_probes() -> None:
+    async with sims(3) as (hung, b, c), monitored([hung.url, b.url, c.url], timeout_s=1.0) as fleet:
+        rh, rb, rc = fleet.replicas()
+        await until(
+            lambda: all(r.state is ReplicaState.HEALTHY for r in (rh, rb, rc)), 5, "healthy"
+        )
+        await hung.set_fault({"fault": "hang_accept", "duration_s": 4.0})
+        await asyncio.sleep(0.3)
+        before = [s.stats()["requests_by_path"].get("/health", 0) for s in (b, c)]
+        await asyncio.sleep(1.5)  # the hung replica's probes each wait their full 1 s timeout
+        after = [s.stats()["requests_by_path"].get("/health", 0) for s in (b, c)]
+        assert rh.stats.stale and rh.load >= rh.max_in_flight  # stale counts as busy
+        assert rb.state is rc.state is ReplicaState.HEALTHY
+    # At interval 0.1 s, ~15 probes each in 1.5 s; a shared loop blocked by the hang gets ~1.
+    assert all(a - b_ >= 8 for a, b_ in zip(after, before, strict=True)), (before, after)
