@@ -92,6 +92,19 @@ def wait_ready(url_port: int, timeout_s: float = 20.0) -> None:
 # ---------------------------------------------------------------------------- the client
 
 
+def stream_request(port: int) -> bytes:
+    """A 64-token streamed chat request, as bytes on the wire."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 64,
+        }
+    ).encode()
+    return request_bytes(port, body)
+
+
 def request_bytes(port: int, stream_body: bytes) -> bytes:
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
@@ -172,15 +185,7 @@ class BurstResult:
 
 
 async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None) -> BurstResult:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "max_tokens": 64,
-        }
-    ).encode()
-    payload = request_bytes(port, body)
+    payload = stream_request(port)
     clients = [await connect(port) for _ in range(concurrency)]
     for c in clients:  # warm-up: connections and the gateway's pool
         await c.send(payload)
@@ -209,15 +214,7 @@ async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None
 
 
 async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float]:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "max_tokens": 64,
-        }
-    ).encode()
-    payload = request_bytes(port, body)
+    payload = stream_request(port)
     clients = [await connect(port) for _ in range(streams)]
     await asyncio.gather(*(c.send(payload) for c in clients[:8]))  # warm-up
     for c in clients:

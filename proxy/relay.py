@@ -37,43 +37,19 @@ if TYPE_CHECKING:
 
 now = time.perf_counter
 
-# Not forwarded upstream: hop-by-hop headers (RFC 9110 7.6.1), what httpx sets itself, and the
-# client's own credentials (a replica has its own key; a client's key must never reach it).
-DROP_UPSTREAM = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-        b"authorization",
-        b"proxy-authorization",
-        b"api-key",
-        b"x-api-key",
-        b"cookie",
-        b"x-request-id",
-    }
-)
-# Not relayed back: hop-by-hop, and framing the ASGI server redoes.
-_DROP_DOWNSTREAM = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"date",
-        b"server",
-        b"x-request-id",
-    }
-)
+# Hop-by-hop headers (RFC 9110 7.6.1): about one connection, never relayed either way.
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
+     b"trailer", b"upgrade"}
+)  # fmt: skip
+# Not forwarded upstream: hop-by-hop, what the upstream client sets itself, and the client's
+# own credentials (a replica has its own key; a client's key must never reach it).
+DROP_UPSTREAM = HOP_BY_HOP | {
+    b"host", b"content-length", b"expect", b"x-request-id",
+    b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
+}  # fmt: skip
+# Not relayed back: hop-by-hop, and what the ASGI server or the gateway sets itself.
+_DROP_DOWNSTREAM = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 _DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
 
 CONNECT_TIMEOUT_S = 3.0
@@ -393,7 +369,8 @@ class Relay:
             # A 429 is a busy replica, not a broken one: retried, but never held against it
             # (ejecting replicas for being busy would only push their load onto the rest).
             failure = None if status == 429 else "upstream_5xx"
-            raise RetryableFailure("upstream_5xx", failure, f"{name} answered {status} (overloaded)")
+            detail = f"{name} answered {status} (overloaded)"
+            raise RetryableFailure("upstream_5xx", failure, detail)
         if status in (500, 502, 504):
             if self.gw.policy.retry.on_5xx_after_send and not call.retried_5xx:
                 call.retried_5xx = True
