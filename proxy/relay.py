@@ -241,9 +241,7 @@ class Relay:
                 # bounded by what that replica held, and the budget is there to stop retry
                 # storms against replicas that fail, not to fail the requests of one that died.
                 rescue = last.reason == "replica_ejected"
-                if attempts >= policy.retry.max_attempts or not (
-                    rescue or self._retry_allowed()
-                ):
+                if attempts >= policy.retry.max_attempts or not (rescue or self._retry_allowed()):
                     break
                 nxt = self.try_pick(call)
                 if nxt is None:
