@@ -39,6 +39,7 @@ import yaml
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
 
 
 def free_port() -> int:
@@ -280,6 +281,8 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
             },
             "lanes": [{"name": "all", "pool": "p"}],
         }
+        if REDIS_URL:
+            policy["redis"] = {"url": REDIS_URL}
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         path = Path(tmp) / "policy.yaml"
         path.write_text(yaml.safe_dump(policy))
@@ -352,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--mode", choices=["burst", "paced", "both"], default="both")
+    parser.add_argument("--redis-url", default=None, help="gateway shares state in this Redis")
     args = parser.parse_args(argv)
+    global REDIS_URL
+    REDIS_URL = args.redis_url
     try:
         import uvloop
 
@@ -360,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out: dict[str, Any] = {"cores": os.cpu_count(), "repeat": args.repeat}
+    if REDIS_URL:
+        out["redis_url"] = REDIS_URL
+        print(f"gateway with shared state in Redis at {REDIS_URL}")
     if args.mode in ("burst", "both"):
         rows = run_burst(args.seconds, args.repeat)
         out["burst"] = rows

@@ -44,8 +44,8 @@ from .errors import (
 from .fleet import Fleet
 from .health import HealthMonitor
 from .metrics import Metrics
-from .ratelimit import LocalRateLimiter
 from .relay import DROP_UPSTREAM, Call, Relay, make_client
+from .shared import FleetView, shared_state_for
 
 log = logging.getLogger("tokenlane")
 access_log = logging.getLogger("tokenlane.access")
@@ -100,9 +100,12 @@ class Gateway:
         self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
         self.estimator = Estimator.from_config(policy.estimate)
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
+        # In-process unless redis.url is set: then ejections, load and rate limits are shared
+        # with the other instances (issue 7).
+        self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
         self.guard = Guard(
             ClientKeys.from_env(self.environ, policy.server.api_keys_env),
-            LocalRateLimiter(lambda: self.policy.rate_limits),
+            self.shared.rate_limiter(lambda: self.policy.rate_limits),
             self.metrics,
         )
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
@@ -196,6 +199,9 @@ class Gateway:
         if dns_hosts(self.declared):
             await self.discovery.refresh(dns_hosts(self.declared))
             self._swap(self.declared)
+        # Before the first health round, so this instance starts from the shared states
+        # (bounded by redis.timeout_ms per call: a missing Redis delays nothing).
+        await self.shared.start(FleetView(self.fleet, self.shared))
         await self.health.start()
         self._tasks = [asyncio.create_task(self._discover())]
         if self.policy_path is not None:
@@ -206,6 +212,7 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await self.health.stop()
+        await self.shared.stop()
         await self.client.aclose()
         await self.health_client.aclose()
 

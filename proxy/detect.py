@@ -76,12 +76,20 @@ def unchanged_for(p: Progress) -> float:
     return p.last_at - p.unchanged_since
 
 
+def stall_threshold(stall_after_s: float, interval_s: float) -> float:
+    """How long counters must be seen flat: ``stall_after_s`` less half a scrape interval of
+    slack (scrapes land anywhere in the interval), but never less than half of
+    ``stall_after_s``: with a scrape interval much longer than ``stall_after_s`` the slack
+    would otherwise go negative and one scrape of a busy replica would read as a stall."""
+    return stall_after_s - min(interval_s, stall_after_s) / 2
+
+
 def stalled(p: Progress, stall_after_s: float, interval_s: float) -> bool:
-    """Running > 0 and counters flat for ``stall_after_s`` (half an interval of slack)."""
+    """Running > 0 and counters flat for ``stall_after_s`` (see ``stall_threshold``)."""
     return (
         p.running > 0
         and p.flat_since is not None
-        and (flat_for(p) >= stall_after_s - interval_s / 2)
+        and flat_for(p) >= stall_threshold(stall_after_s, interval_s)
     )
 
 
@@ -113,7 +121,7 @@ def traffic_stalled(
     still over the same span. Content streams that are merely silent are no evidence on their
     own: a client that stops reading stops its stream, not the replica.
     """
-    if unchanged_for(p) < stall_after_s - interval_s / 2:
+    if unchanged_for(p) < stall_threshold(stall_after_s, interval_s):
         return False
     waited = False
     for w in streams:

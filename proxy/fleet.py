@@ -118,6 +118,7 @@ class Replica:
     state: ReplicaState = ReplicaState.PROBING
     reason: EjectReason | None = None  # why it is (or last was) out; None once healthy again
     in_flight: int = 0
+    remote_in_flight: int = 0  # other gateway instances' in-flight to it (shared state, issue 7)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> model card
     ejections: int = 0  # total, for the admin view
     ejected_until: float = 0.0
@@ -144,16 +145,17 @@ class Replica:
 
     @property
     def load(self) -> float:
-        """In-flight from this gateway plus the replica's own waiting queue.
+        """In-flight from this gateway (and from the others, with shared state) plus the
+        replica's own waiting queue.
 
         A replica whose scrape is stale counts as busy (its full ``max_in_flight``), never as idle:
         a hung ``/metrics`` must not attract traffic. During slow start the figure is inflated
         so that the replica holds about ``weight`` of a warm peer's share.
         """
         if self.stats.stale and self.stats.at is not None:
-            raw = self.in_flight + self.config.max_in_flight
+            raw = self.in_flight + self.remote_in_flight + self.config.max_in_flight
         else:
-            raw = self.in_flight + self.stats.waiting
+            raw = self.in_flight + self.remote_in_flight + self.stats.waiting
         if self.weight < 1.0:
             return (raw + 1.0) / self.weight - 1.0
         return raw
@@ -250,6 +252,9 @@ class Fleet:
         self.metrics = metrics
         self.clock = clock
         self.leaving: list[Replica] = []  # out of the policy, still finishing requests
+        # Called after every transition of a replica's own (not a reload's, not a remote one):
+        # shared state publishes it to the other gateway instances.
+        self.on_transition: Callable[[Replica], None] | None = None
         self.pools: dict[str, Pool] = {
             name: Pool(name, cfg, [make_replica(name, r, self.environ) for r in cfg.replicas])
             for name, cfg in policy.pools.items()
@@ -322,7 +327,10 @@ class Fleet:
                         self.environ.get(rcfg.api_key_env) if rcfg.api_key_env else None
                     )
                     if replica in self.leaving:  # back in the policy before it drained
-                        self._move(replica, ReplicaState.PROBING, None, self.clock(), "re-added")
+                        self._move(
+                            replica, ReplicaState.PROBING, None, self.clock(), "re-added",
+                            shared=False,
+                        )  # fmt: skip
                 replicas.append(replica)
             previous = self.pools.get(name)
             pool = Pool(name, cfg, replicas)
@@ -335,8 +343,9 @@ class Fleet:
                 continue
             if replica.state is not ReplicaState.DRAINING:
                 self._move(
-                    replica, ReplicaState.DRAINING, None, self.clock(), "removed from the policy"
-                )
+                    replica, ReplicaState.DRAINING, None, self.clock(), "removed from the policy",
+                    shared=False,
+                )  # fmt: skip
             leaving.append(replica)
         self.pools = pools
         self.leaving = leaving
@@ -485,6 +494,43 @@ class Fleet:
             self._uncap(replica)
             self._move(replica, ReplicaState.DRAINING, None, now, "operator drain")
 
+    # -- shared state (issue 7) ------------------------------------------------------------
+
+    def apply_remote(
+        self,
+        replica: Replica,
+        state: ReplicaState,
+        reason: EjectReason | None,
+        until: float,
+        ejections: int,
+        level: int,
+        source: str,
+    ) -> None:
+        """A transition another gateway instance made: taken as it is, not shared back, not
+        counted in this instance's ejection metrics (its maker counted it). ``until`` is on
+        the fleet clock (``math.inf``: until readmitted). The same state again only updates
+        the shared counters."""
+        now = self.clock()
+        replica.ejections = max(replica.ejections, ejections)
+        detail = f"from gateway instance {source}"
+        if state is replica.state and reason is replica.reason:
+            if state is ReplicaState.EJECTED:
+                replica.ejected_until, replica.backoff_level = until, level
+            return
+        if state is ReplicaState.EJECTED:
+            replica.ejected_until, replica.backoff_level = until, level
+            replica.healthy_since = None
+            self._uncap(replica)
+            self._move(replica, state, reason, now, detail, shared=False)
+            self._rescue(replica, now)
+        elif state is ReplicaState.HEALTHY:
+            self._readmitted(replica, now, detail, shared=False)
+        else:
+            replica.ejected_until = 0.0
+            if state is ReplicaState.DRAINING:
+                self._uncap(replica)
+            self._move(replica, state, reason, now, detail, shared=False)
+
     # -- transitions -----------------------------------------------------------------------
 
     def _fail(self, replica: Replica, reason: EjectReason, now: float) -> None:
@@ -531,7 +577,9 @@ class Fleet:
             self._update_panic(replica.pool)
         self._rescue(replica, now)
 
-    def _readmitted(self, replica: Replica, now: float, detail: str) -> None:
+    def _readmitted(
+        self, replica: Replica, now: float, detail: str, *, shared: bool = True
+    ) -> None:
         replica.failures_in_row = 0
         replica.silent_in_row = 0
         replica.health_fails_in_row = 0
@@ -540,7 +588,7 @@ class Fleet:
         replica.healthy_since = now
         replica.level_since = now
         replica.weight = detect.slow_start_weight(0.0, self.health.slow_start_s)
-        self._move(replica, ReplicaState.HEALTHY, None, now, detail)
+        self._move(replica, ReplicaState.HEALTHY, None, now, detail, shared=shared)
 
     def _rescue(self, replica: Replica, now: float) -> None:
         """End the silent streams of an ejected replica; progressing ones go on."""
@@ -573,6 +621,8 @@ class Fleet:
         reason: EjectReason | None,
         now: float,
         detail: str,
+        *,
+        shared: bool = True,
     ) -> None:
         before = replica.state
         replica.state = to
@@ -589,6 +639,8 @@ class Fleet:
             },
         )  # fmt: skip
         self.publish_state(replica)
+        if shared and self.on_transition is not None:
+            self.on_transition(replica)
 
     def publish_state(self, replica: Replica) -> None:
         if self.metrics is not None:

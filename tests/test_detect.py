@@ -19,6 +19,7 @@ from proxy.detect import (
     silent_failure_ejects,
     silent_streams,
     slow_start_weight,
+    stall_threshold,
     stalled,
     traffic_stalled,
     unchanged_for,
@@ -61,6 +62,15 @@ STALL_CASES = [
 )
 def test_stalled_needs_busy_and_flat_for_stall_after(rows, expected) -> None:
     assert stalled(scrapes(rows), stall_after_s=10, interval_s=1) is expected
+
+
+def test_a_slow_scrape_interval_never_turns_one_busy_scrape_into_a_stall() -> None:
+    # interval 30 s, stall_after 10 s: half an interval of slack would be 15 s, more than the
+    # whole threshold. A busy replica seen once with its counter where it was is not stalled.
+    assert stall_threshold(10, 30) == 5
+    assert not stalled(scrapes([(0, 3, 7)]), stall_after_s=10, interval_s=30)
+    assert not stalled(scrapes([(0, 3, 5), (30, 3, 7)]), stall_after_s=10, interval_s=30)
+    assert stalled(scrapes([(0, 3, 5), (30, 3, 7), (60, 3, 7)]), stall_after_s=10, interval_s=30)
 
 
 def test_flat_for_counts_from_first_scrape_with_current_value() -> None:

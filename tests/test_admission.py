@@ -1,0 +1,333 @@
+"""Admission over real sockets: lane and replica limits, the bounded queue (429 at once when
+full, 503 on timeout, never dispatching a client that left), priority between lanes, spillover,
+and a short lane keeping its TTFT while the bulk lane is saturated (against the simulator)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from loadtest.fake_upstream import FakeUpstream
+from loadtest.sim.server import run_sim
+
+from .gateway import policy_for, running_gateway
+from .servers import free_port
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def chat(tag: str, *, tokens: int = 10, interval_ms: float = 0.0, **extra: Any) -> dict[str, Any]:
+    """A streamed chat request the fake answers with ``tokens`` chunks ``interval_ms`` apart;
+    ``tag`` (the ``user`` field, forwarded unchanged) tells requests apart upstream."""
+    return {
+        "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True,
+        "max_tokens": tokens, "fake_interval_ms": interval_ms, "user": tag, **extra,
+    }  # fmt: skip
+
+
+class CountingUpstream(FakeUpstream):
+    """The fake, also counting client requests (canaries apart) in progress at once."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.now = 0
+        self.peak = 0
+        self.tags: list[str] = []
+
+    async def _respond(self, method: str, path: str, headers: dict[str, str], raw: bytes,
+                       w: asyncio.StreamWriter) -> None:  # fmt: skip
+        counted = path == "/v1/chat/completions" and "x-tokenlane-canary" not in headers
+        if counted:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            if b'"user":"' in raw:
+                self.tags.append(raw.split(b'"user":"')[1].split(b'"')[0].decode())
+        try:
+            await super()._respond(method, path, headers, raw, w)
+        finally:
+            if counted:
+                self.now -= 1
+
+
+@contextlib.asynccontextmanager
+async def counting(**kw: Any) -> AsyncIterator[CountingUpstream]:
+    up = CountingUpstream(**kw)
+    await up.start()
+    try:
+        yield up
+    finally:
+        await up.stop()
+
+
+async def post(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[int, float, httpx.Response]:
+    resp = await client.post(url + "/v1/chat/completions", json=body)
+    return resp.status_code, time.monotonic(), resp
+
+
+def metric(app: Any, name: str, *labels: str) -> float:
+    return getattr(app.gateway.metrics, name).labels(*labels)._value.get()
+
+
+async def until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- the queue
+
+
+async def test_twenty_bulk_requests_give_two_running_four_queued_fourteen_429s() -> None:
+    async with counting() as up:
+        lanes = [{"name": "bulk", "pool": "p", "max_in_flight": 2, "max_queue": 4}]
+        async with running_gateway(policy_for({"p": [up.url]}, lanes=lanes)) as (url, app):
+            limits = httpx.Limits(max_connections=50)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+                tasks = [
+                    asyncio.create_task(post(client, url, chat(f"r{i}", tokens=30, interval_ms=40)))
+                    for i in range(20)
+                ]
+                # Each admitted request streams for ~1.2 s; the refusals come back first.
+                await until(lambda: sum(t.done() for t in tasks) >= 14 and up.now == 2)
+                assert app.gateway.admission.depths()["bulk"] == 4
+                assert len(up.tags) == 2  # the two running ones are all that reached upstream
+                results = await asyncio.gather(*tasks)
+    statuses = sorted(s for s, _, _ in results)
+    assert statuses == [200] * 6 + [429] * 14
+    refused = [(t, r) for s, t, r in results if s == 429]
+    served_end = min(t for s, t, _ in results if s == 200)
+    assert all(t < served_end for t, _ in refused)  # every 429 before the first success ended
+    for _, r in refused:
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 429
+    assert up.peak == 2
+    assert len(up.tags) == 6
+    assert metric(app, "rejections", "bulk", "queue_full") == 14
+    assert app.gateway.admission.depths()["bulk"] == 0
+
+
+async def test_queued_client_that_disconnects_is_never_sent_upstream() -> None:
+    async with counting() as up:
+        lanes = [{"name": "l", "pool": "p", "max_in_flight": 1, "max_queue": 4}]
+        async with running_gateway(policy_for({"p": [up.url]}, lanes=lanes)) as (url, app):
+            async with httpx.AsyncClient(timeout=30) as client:
+                holder = asyncio.create_task(
+                    post(client, url, chat("holder", tokens=30, interval_ms=20))
+                )
+                await until(lambda: up.now == 1)
+                leaver = asyncio.create_task(post(client, url, chat("leaver")))
+                await until(lambda: app.gateway.admission.depths()["l"] == 1)
+                leaver.cancel()  # closes its connection while it waits in the queue
+                await asyncio.gather(leaver, return_exceptions=True)
+                await until(lambda: app.gateway.admission.depths()["l"] == 0)
+                status, _, _ = await holder
+                after = await post(client, url, chat("after"))
+    assert status == 200 and after[0] == 200
+    assert up.tags == ["holder", "after"]
+    assert metric(app, "requests", "l", "", "", "499") == 1
+
+
+async def test_queue_timeout_answers_503_with_retry_after() -> None:
+    async with counting() as up:
+        lanes = [{"name": "l", "pool": "p", "max_in_flight": 1, "queue_timeout_s": 0.3}]
+        async with running_gateway(policy_for({"p": [up.url]}, lanes=lanes)) as (url, app):
+            async with httpx.AsyncClient(timeout=30) as client:
+                holder = asyncio.create_task(
+                    post(client, url, chat("holder", tokens=40, interval_ms=30))
+                )
+                await until(lambda: up.now == 1)
+                started = time.monotonic()
+                status, ended, resp = await post(client, url, chat("late"))
+                await holder
+    assert status == 503
+    assert 0.25 < ended - started < 1.0  # left at its timeout, not when the holder finished
+    assert int(resp.headers["retry-after"]) >= 1
+    assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "late" not in up.tags
+    assert metric(app, "rejections", "l", "queue_timeout") == 1
+
+
+async def test_pool_without_healthy_replica_answers_503_at_once() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    policy = policy_for({"p": [dead]}, health={"interval_s": 0.1, "timeout_s": 0.2})
+    async with running_gateway(policy, ready=False) as (url, app):
+        async with httpx.AsyncClient(timeout=30) as client:
+            started = time.monotonic()
+            status, ended, resp = await post(client, url, chat("x"))
+    assert status == 503 and ended - started < 1.0
+    assert "retry-after" in resp.headers
+    assert metric(app, "rejections", "all", "no_replica") == 1
+    assert app.gateway.admission.depths()["all"] == 0
+
+
+async def test_replica_limit_holds_across_replicas_and_requests_queue_for_it() -> None:
+    async with counting() as a, counting() as b:
+        policy = policy_for({"p": [a.url, b.url]}, balance="least_loaded")
+        for r in policy["pools"]["p"]["replicas"]:
+            r["max_in_flight"] = 2
+        async with running_gateway(policy) as (url, app):
+            limits = httpx.Limits(max_connections=50)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+                tasks = [
+                    asyncio.create_task(post(client, url, chat(f"r{i}", tokens=10, interval_ms=30)))
+                    for i in range(12)
+                ]
+                await until(lambda: app.gateway.admission.depths()["all"] == 8)
+                results = await asyncio.gather(*tasks)
+    assert [s for s, _, _ in results] == [200] * 12
+    assert (a.peak, b.peak) == (2, 2)
+    assert len(a.tags) + len(b.tags) == 12
+
+
+async def test_retries_respect_the_replica_limit() -> None:
+    async with counting() as bad, counting() as good:
+        # At most 2 requests in flight (the lane), so a retry always finds room on `good`.
+        lanes = [{"name": "l", "pool": "p", "max_in_flight": 2, "max_queue": 10}]
+        policy = policy_for({"p": [bad.url, good.url]}, lanes=lanes,
+                            health={"consecutive_failures": 1000})  # fmt: skip
+        policy["pools"]["p"]["replicas"][0]["max_in_flight"] = 1
+        policy["pools"]["p"]["replicas"][1]["max_in_flight"] = 2
+        async with running_gateway(policy) as (url, app):
+            bad.fail_status = 503  # after its canary: retried elsewhere before the first byte
+            async with httpx.AsyncClient(timeout=30) as client:
+                results = await asyncio.gather(
+                    *[post(client, url, chat(f"r{i}", tokens=10, interval_ms=30)) for i in range(8)]
+                )
+    assert [s for s, _, _ in results] == [200] * 8
+    assert metric(app, "retries", "l", "upstream_5xx") >= 1
+    assert bad.peak == 1 and good.peak == 2
+
+
+async def test_higher_priority_lane_is_served_first_on_a_shared_pool() -> None:
+    async with counting() as up:
+        lanes = [
+            {"name": "short", "pool": "p", "priority": 10,
+             "when": {"stream": True, "output_tokens_max": 16}},
+            {"name": "long", "pool": "p"},
+        ]  # fmt: skip
+        policy = policy_for({"p": [up.url]}, lanes=lanes)
+        policy["pools"]["p"]["replicas"][0]["max_in_flight"] = 1
+        async with running_gateway(policy) as (url, app):
+            async with httpx.AsyncClient(timeout=30) as client:
+                holder = asyncio.create_task(
+                    post(client, url, chat("holder", tokens=30, interval_ms=20))
+                )
+                await until(lambda: up.now == 1)
+                long1 = asyncio.create_task(post(client, url, chat("long1", tokens=20)))
+                await until(lambda: app.gateway.admission.depths()["long"] == 1)
+                short1 = asyncio.create_task(post(client, url, chat("short1", tokens=5)))
+                await until(lambda: app.gateway.admission.depths()["short"] == 1)
+                long2 = asyncio.create_task(post(client, url, chat("long2", tokens=20)))
+                await until(lambda: app.gateway.admission.depths()["long"] == 2)
+                results = await asyncio.gather(holder, long1, short1, long2)
+    assert [s for s, _, _ in results] == [200] * 4
+    assert up.tags == ["holder", "short1", "long1", "long2"]
+    # The priority is the gateway's: it is not added to the body sent upstream.
+    assert all("priority" not in b for b in up.stats.bodies)
+    assert results[2][2].headers["x-tokenlane-lane"] == "short"
+
+
+async def test_client_priority_field_is_forwarded_unchanged() -> None:
+    async with counting() as up:
+        lanes = [{"name": "l", "pool": "p", "priority": 7}]
+        async with running_gateway(policy_for({"p": [up.url]}, lanes=lanes)) as (url, _):
+            async with httpx.AsyncClient(timeout=30) as client:
+                status, _, _ = await post(client, url, chat("x", priority=-3))
+    assert status == 200
+    assert [b["priority"] for b in up.stats.bodies if b.get("user") == "x"] == [-3]
+
+
+# ---------------------------------------------------------------------------- spillover
+
+
+async def test_saturated_pool_spills_to_its_spill_pool_and_counts_it() -> None:
+    async with counting() as fast, counting() as bulk:
+        lanes = [{"name": "short", "pool": "fast", "spill_to": "bulk"}]
+        policy = policy_for({"fast": [fast.url], "bulk": [bulk.url]}, lanes=lanes)
+        policy["pools"]["fast"]["replicas"][0]["max_in_flight"] = 1
+        async with running_gateway(policy) as (url, app):
+            async with httpx.AsyncClient(timeout=30) as client:
+                holder = asyncio.create_task(
+                    post(client, url, chat("holder", tokens=20, interval_ms=20))
+                )
+                await until(lambda: fast.now == 1)
+                status, _, resp = await post(client, url, chat("spilled"))
+                await holder
+    assert status == 200
+    assert bulk.tags == ["spilled"] and fast.tags == ["holder"]
+    assert resp.headers["x-tokenlane-replica"] == app.gateway.fleet.pools["bulk"].replicas[0].name
+    assert metric(app, "spills", "short", "fast", "bulk") == 1
+
+
+async def test_pool_without_healthy_replica_spills() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with counting() as bulk:
+        lanes = [{"name": "short", "pool": "fast", "spill_to": "bulk"}]
+        policy = policy_for({"fast": [dead], "bulk": [bulk.url]}, lanes=lanes)
+        async with running_gateway(policy) as (url, app):  # ready: the spill pool serves
+            async with httpx.AsyncClient(timeout=30) as client:
+                status, _, _ = await post(client, url, chat("s"))
+    assert status == 200 and bulk.tags == ["s"]
+    assert metric(app, "spills", "short", "fast", "bulk") == 1
+
+
+# ---------------------------------------------------------------------------- TTFT isolation
+
+
+async def ttft(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
+    started = time.monotonic()
+    took = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if (
+                took is None
+                and line.startswith("data: {")
+                and '"content":"' in line
+                and ('"content":""' not in line)
+            ):
+                took = time.monotonic() - started
+    assert took is not None, "no content"
+    return took
+
+
+async def test_short_lane_keeps_its_ttft_while_the_bulk_lane_is_saturated() -> None:
+    async with run_sim(name="fast") as fast, run_sim(name="bulk") as bulk:
+        lanes = [
+            {"name": "short", "pool": "interactive", "priority": 10,
+             "when": {"stream": True, "prompt_tokens_max": 512, "output_tokens_max": 64}},
+            {"name": "long", "pool": "bulk", "max_in_flight": 2, "max_queue": 64,
+             "queue_timeout_s": 60},
+        ]  # fmt: skip
+        policy = policy_for({"interactive": [fast.url], "bulk": [bulk.url]}, lanes=lanes)
+        short = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
+                 "stream": True, "max_tokens": 16}  # fmt: skip
+        long_text = "lorem ipsum dolor sit amet " * 1200  # ~8k tokens of prompt
+        long_body = {"model": MODEL, "messages": [{"role": "user", "content": long_text}],
+                     "stream": True, "max_tokens": 100}  # fmt: skip
+        async with running_gateway(policy) as (url, app):
+            limits = httpx.Limits(max_connections=100)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                alone = [await ttft(client, url, short) for _ in range(5)]
+                bulk_tasks = [asyncio.create_task(ttft(client, url, long_body)) for _ in range(12)]
+                await until(lambda: app.gateway.admission.depths()["long"] >= 8, 20)
+                loaded = []
+                for _ in range(8):
+                    loaded.append(await ttft(client, url, short))
+                    assert app.gateway.admission.depths()["long"] > 0  # still saturated
+                bulk_ttfts = await asyncio.gather(*bulk_tasks)
+    # Generous bounds (2 shared cores): the short lane never queues behind the bulk backlog.
+    assert max(loaded) < max(1.0, 5 * statistics.median(alone)), (alone, loaded)
+    assert statistics.median(bulk_ttfts) > 5 * statistics.median(loaded), (bulk_ttfts, loaded)
+    assert app.gateway.admission.depths() == {"short": 0, "long": 0}

@@ -1,0 +1,618 @@
+"""Shared state against a real redis-server: two ``RedisState`` objects in one process stand for
+two gateways. The pure parts (leases, load sums, the breaker) are tested without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+
+import pytest
+
+from proxy.config import RateLimitsConfig, RedisConfig, build_policy
+from proxy.fleet import EjectReason, Fleet, ReplicaState
+from proxy.metrics import Metrics
+from proxy.ratelimit import LocalRateLimiter
+from proxy.shared import (
+    Breaker,
+    FleetView,
+    Lease,
+    LeasedRateLimiter,
+    LocalState,
+    RedisState,
+    ReplicaRecord,
+    Unavailable,
+    batch_size,
+    lease_amount,
+    may_spend,
+    settle,
+    shared_state_for,
+    sum_load,
+)
+
+from .redis_server import RedisServer, running_redis
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh, empty redis-server per test (it starts in milliseconds)."""
+    with running_redis() as server:
+        yield server
+
+
+U1 = "http://10.0.0.1:8000"
+U2 = "http://10.0.0.2:8000"
+
+
+class View:
+    """The gateway side, recorded."""
+
+    def __init__(self, known: list[ReplicaRecord] | None = None) -> None:
+        self.known = known or []
+        self.counts: dict[str, int] = {}
+        self.applied: list[ReplicaRecord] = []
+        self.loads: list[dict[str, int]] = []
+
+    def records(self) -> list[ReplicaRecord]:
+        return list(self.known)
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def apply(self, record: ReplicaRecord) -> bool:
+        self.applied.append(record)
+        return True
+
+    def remote_load(self, in_flight: Mapping[str, int]) -> None:
+        self.loads.append(dict(in_flight))
+
+    def last(self, url: str) -> ReplicaRecord | None:
+        found = [r for r in self.applied if r.url == url]
+        return found[-1] if found else None
+
+
+def cfg(url: str, **kw: float) -> RedisConfig:
+    return RedisConfig(url=url, **{"timeout_ms": 50, "heartbeat_s": 0.2, "ttl_s": 1.0, **kw})
+
+
+@contextlib.asynccontextmanager
+async def instance(
+    server: RedisServer,
+    view: View | None = None,
+    *,
+    name: str,
+    reconcile_s: float = 0.2,
+    metrics: Metrics | None = None,
+    **kw: float,
+) -> AsyncIterator[tuple[RedisState, View]]:
+    config = cfg(server.url, **kw)
+    state = RedisState(
+        server.url, lambda: config, instance=name, reconcile_s=reconcile_s, probe_s=0.2,
+        metrics=metrics,
+    )  # fmt: skip
+    view = view or View()
+    await state.start(view)
+    try:
+        yield state, view
+    finally:
+        await state.stop()
+
+
+async def eventually(pred: Callable[[], object], timeout_s: float = 5.0, what: str = "") -> float:
+    """Seconds until ``pred()`` holds; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def ejected(
+    url: str = U1, reason: str = "stall", until: float | None = None, **kw: object
+) -> ReplicaRecord:
+    if until is None and reason != "operator":
+        until = time.time() + 30
+    return ReplicaRecord(pool="p", url=url, state="ejected", reason=reason, until=until, **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- replica records
+
+
+async def test_ejection_on_one_instance_is_applied_by_the_other_within_1s(
+    redis_server: RedisServer,
+) -> None:
+    # Reconcile is slowed to 30 s: only the published message can deliver within 1 s.
+    async with (
+        instance(redis_server, name="a", reconcile_s=30) as (a, _),
+        instance(redis_server, name="b", reconcile_s=30) as (_b, vb),
+    ):
+        await asyncio.sleep(0.3)  # b's subscription is up
+        a.publish(ejected(reason="operator", ejections=1))
+        took = await eventually(lambda: vb.last(U1), 1.0, "b applies a's ejection")
+        got = vb.last(U1)
+        assert got is not None
+        assert (got.state, got.reason, got.until, got.instance) == (
+            "ejected",
+            "operator",
+            None,
+            "a",
+        )
+        assert got.ejections == 1 and got.updated_at > 0
+        print(f"propagated in {took * 1000:.0f} ms")
+
+
+async def test_record_written_without_a_message_converges_by_reconcile(
+    redis_server: RedisServer,
+) -> None:
+    async with instance(redis_server, name="b", reconcile_s=0.3) as (_, vb):
+        # As if another instance's PUBLISH was lost: the record is there, no message came.
+        record = ejected(reason="health_check", ejections=2, instance="a", updated_at=time.time())
+        redis_server.command("HSET", "tokenlane:replicas", record.field, record.to_json())
+        await eventually(lambda: vb.last(U1), 3.0, "reconcile applies the record")
+        assert vb.last(U1) == record
+
+
+async def test_subscriber_disconnected_during_a_broadcast_converges(
+    redis_server: RedisServer,
+) -> None:
+    # T18. Reconcile at 30 s: convergence must come from the re-subscription's own reconcile.
+    async with (
+        instance(redis_server, name="a", reconcile_s=30) as (a, _),
+        instance(redis_server, name="b", reconcile_s=30) as (_b, vb),
+    ):
+        await asyncio.sleep(0.3)
+        assert redis_server.command("CLIENT", "KILL", "TYPE", "pubsub").startswith(b":")
+        a.publish(ejected(reason="operator"))  # published while b is not subscribed
+        await eventually(lambda: vb.last(U1), 5.0, "b converges after losing the message")
+        assert vb.last(U1).reason == "operator"  # type: ignore[union-attr]
+
+
+async def test_two_instances_ejecting_at_once_make_one_ejection(redis_server: RedisServer) -> None:
+    async with (
+        instance(redis_server, name="a") as (a, va),
+        instance(redis_server, name="b") as (b, vb),
+    ):
+        a.publish(ejected(until=time.time() + 30, ejections=1, level=1))
+        await eventually(lambda: vb.last(U1), 2.0, "b sees a's ejection")
+        b.publish(ejected(until=time.time() + 60, ejections=1, level=1))  # b saw the stall too
+        await asyncio.sleep(0.5)
+        stored = ReplicaRecord.from_json(
+            redis_server.value("HGET", "tokenlane:replicas", f"p {U1}") or b""
+        )
+        assert stored.instance == "a" and stored.ejections == 1  # the standing one won
+        assert vb.last(U1) == stored  # b adopted it (its own proposal merged into it)
+        assert va.last(U1) is None  # a's own record is never applied back to a
+
+
+async def test_ejection_count_is_shared_across_instances(redis_server: RedisServer) -> None:
+    async with (
+        instance(redis_server, name="a") as (a, _),
+        instance(redis_server, name="b") as (b, vb),
+    ):
+        a.publish(ejected(until=time.time() + 0.1, ejections=1, level=1))
+        await eventually(lambda: vb.last(U1), 2.0, "b sees ejection 1")
+        a.publish(ReplicaRecord(pool="p", url=U1, state="healthy", ejections=1, level=1))
+        await eventually(lambda: vb.last(U1).state == "healthy", 2.0, "b sees readmission")  # type: ignore[union-attr]
+        # b's own count lags behind: the script counts
+        b.publish(ejected(reason="consecutive_failures", ejections=0, level=2))
+        await asyncio.sleep(0.3)
+        raw = redis_server.value("HGET", "tokenlane:replicas", f"p {U1}") or b""
+        assert ReplicaRecord.from_json(raw).ejections == 2
+
+
+async def test_operator_ejection_overrides_a_standing_detector_ejection(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        instance(redis_server, name="a") as (a, _),
+        instance(redis_server, name="b") as (_, vb),
+    ):
+        a.publish(ejected(reason="stall", ejections=1))
+        await eventually(lambda: vb.last(U1), 2.0, "stall ejection")
+        a.publish(ejected(reason="operator", ejections=1))
+        await eventually(lambda: vb.last(U1).reason == "operator", 2.0, "operator ejection")  # type: ignore[union-attr]
+        assert vb.last(U1).until is None and vb.last(U1).ejections == 2  # type: ignore[union-attr]
+
+
+async def test_new_instance_learns_existing_records_at_start(redis_server: RedisServer) -> None:
+    async with instance(redis_server, name="a") as (a, _):
+        a.publish(ejected(reason="operator"))
+        await asyncio.sleep(0.3)
+        async with instance(redis_server, name="c", reconcile_s=30) as (_, vc):
+            assert vc.last(U1) is not None and vc.last(U1).reason == "operator"  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------- load
+
+
+async def test_remote_in_flight_is_the_sum_over_other_instances(redis_server: RedisServer) -> None:
+    async with (
+        instance(redis_server, name="a") as (a, va),
+        instance(redis_server, name="b") as (_, vb),
+        instance(redis_server, name="c") as (c, vc),
+    ):
+        va.counts = {U1: 3}
+        vb.counts = {U1: 2, U2: 1}
+        vc.counts = {}
+        await eventually(
+            lambda: c.remote_in_flight(U1) == 5 and c.remote_in_flight(U2) == 1, 3.0, "c's view"
+        )
+        await eventually(lambda: a.remote_in_flight(U1) == 2, 3.0, "a excludes itself")
+        assert vc.loads[-1] == {U1: 5, U2: 1}
+        assert c.instances == 3
+
+
+CRASHER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from proxy.config import RedisConfig
+    from proxy.shared import RedisState
+
+    class View:
+        def records(self): return []
+        def in_flight(self): return {sys.argv[2]: 7}
+        def apply(self, record): return True
+        def remote_load(self, m): pass
+
+    async def main():
+        cfg = RedisConfig(url=sys.argv[1], timeout_ms=50, heartbeat_s=0.2, ttl_s=1.0)
+        state = RedisState(sys.argv[1], lambda: cfg, instance="doomed")
+        await state.start(View())
+        print("up" if state.up else "down", flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_killed_instance_in_flight_counts_vanish_within_ttl_plus_heartbeat(
+    redis_server: RedisServer,
+) -> None:
+    # T17: SIGKILL leaves no chance to clean up; the per-instance key's expiry does it.
+    async with instance(redis_server, name="b") as (b, _):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CRASHER, redis_server.url, U1],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line.strip() == b"up", proc.stderr.read() if proc.stderr else b""
+            await eventually(lambda: b.remote_in_flight(U1) == 7, 3.0, "b sees the 7 in flight")
+            proc.kill()
+            proc.wait(5)
+            took = await eventually(lambda: b.remote_in_flight(U1) == 0, 5.0, "counts expire")
+            # ttl 1.0 + heartbeat 0.2 + one reconcile 0.2, with slack for a loaded machine
+            assert took < 1.0 + 0.2 + 0.2 + 1.0
+            print(f"view clean {took:.2f}s after SIGKILL")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    members = redis_server.command("SMEMBERS", "tokenlane:instances")
+    assert b"doomed" not in members  # pruned from the registry
+
+
+async def test_clean_stop_withdraws_load_at_once(redis_server: RedisServer) -> None:
+    async with instance(redis_server, name="b", ttl_s=30) as (b, _):
+        async with instance(redis_server, name="a", ttl_s=30) as (_, va):
+            va.counts = {U1: 4}
+            await eventually(lambda: b.remote_in_flight(U1) == 4, 3.0, "b sees a")
+        await eventually(lambda: b.remote_in_flight(U1) == 0, 2.0, "a's stop withdrew its counts")
+
+
+# ---------------------------------------------------------------------------- Redis slow or down
+
+
+async def test_breaker_opens_when_redis_is_paused_and_calls_stay_bounded(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics()
+    async with instance(redis_server, name="a", metrics=metrics) as (a, va):
+        va.counts = {U1: 1}
+        assert a.up and metrics.shared_state_up._value.get() == 1
+        redis_server.pause()
+        try:
+            with caplog.at_level(logging.INFO, "tokenlane.shared"):
+                for _ in range(2):  # the breaker opens on the second failure in a row
+                    started = time.monotonic()
+                    with pytest.raises(Unavailable):
+                        await a.sync()
+                    assert time.monotonic() - started < 0.5  # timeout_ms is 50
+                assert not a.up and metrics.shared_state_up._value.get() == 0
+                a.publish(ejected())  # never waits, never raises
+                started = time.monotonic()
+                with pytest.raises(Unavailable):
+                    await a.sync()  # breaker open: fails at once
+                assert time.monotonic() - started < 0.05
+                assert a.remote_in_flight(U1) == 0
+                await asyncio.sleep(0.5)  # probes keep failing quietly
+            downs = [r for r in caplog.records if "unreachable" in r.getMessage()]
+            assert len(downs) == 1
+        finally:
+            redis_server.resume()
+        await eventually(lambda: a.up, 3.0, "re-sync after resume")
+        assert metrics.shared_state_up._value.get() == 1
+
+
+async def test_breaker_opens_when_redis_dies_and_state_resyncs_after_restart(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    known = ejected(url=U2, reason="operator", ejections=3)
+    async with (
+        instance(redis_server, View([known]), name="a") as (a, va),
+        instance(redis_server, name="b") as (b, vb),
+    ):
+        va.counts = {U1: 2}
+        await eventually(lambda: b.remote_in_flight(U1) == 2, 3.0, "b sees a's load")
+        with caplog.at_level(logging.INFO, "tokenlane.shared"):
+            redis_server.kill()
+            await eventually(lambda: not a.up and not b.up, 2.0, "both fall back to local")
+            assert b.remote_in_flight(U1) == 0
+            a.publish(ejected(reason="stall", ejections=1))  # a transition during the outage
+            redis_server.start()  # empty: everything Redis held is gone
+            await eventually(lambda: a.up and b.up, 5.0, "both re-sync")
+        assert any("re-synced" in r.getMessage() for r in caplog.records)
+        await eventually(lambda: vb.last(U1) is not None, 3.0, "b gets a's outage transition")
+        await eventually(lambda: vb.last(U2) is not None, 3.0, "b gets a's restored record")
+        assert vb.last(U2).reason == "operator" and vb.last(U2).ejections == 3  # type: ignore[union-attr]
+        await eventually(lambda: b.remote_in_flight(U1) == 2, 3.0, "load view back")
+
+
+async def test_start_without_redis_runs_on_local_view(redis_server: RedisServer) -> None:
+    redis_server.kill()
+    metrics = Metrics()
+    started = time.monotonic()
+    async with instance(redis_server, name="a", metrics=metrics) as (a, _):
+        assert time.monotonic() - started < 1.0
+        assert not a.up and metrics.shared_state_up._value.get() == 0
+        redis_server.start()
+        await eventually(lambda: a.up, 3.0, "joins once Redis is there")
+
+
+async def test_client_is_configured_to_fail_fast(redis_server: RedisServer) -> None:
+    state = RedisState(redis_server.url, lambda: cfg(redis_server.url, timeout_ms=80))
+    kw = state._redis.connection_pool.connection_kwargs
+    assert kw["socket_timeout"] == kw["socket_connect_timeout"] == 0.08
+    assert kw["retry"].get_retries() == 0
+    await state.stop()
+
+
+# ---------------------------------------------------------------------------- rate limits
+
+
+async def test_leased_limits_hold_across_two_instances_within_one_batch(
+    redis_server: RedisServer,
+) -> None:
+    limit = 200
+    limits = RateLimitsConfig(requests_per_min=limit)
+    async with (
+        instance(redis_server, name="a") as (a, _),
+        instance(redis_server, name="b") as (b, _),
+    ):
+        la = a.rate_limiter(lambda: limits)
+        lb = b.rate_limiter(lambda: limits)
+        allowed = 0
+        started = time.monotonic()
+        for _ in range(40):  # 40 rounds of 10 requests per instance: 400 asked for 200
+            for limiter in (la, lb):
+                for _ in range(10):
+                    allowed += limiter.check("k1", 10).allowed
+            await asyncio.sleep(0.02)  # leases are fetched in the background meanwhile
+        refill = (time.monotonic() - started) * limit / 60
+        batch = batch_size(limit)
+        assert allowed <= limit + refill + 2 * batch, (allowed, refill, batch)
+        assert allowed >= limit - 2 * batch, (allowed, refill, batch)
+        print(f"allowed {allowed} of limit {limit} (+{refill:.1f} refill, batch {batch:g})")
+
+
+async def test_leased_limit_refusal_says_when_to_retry(redis_server: RedisServer) -> None:
+    limits = RateLimitsConfig(requests_per_min=20)
+    async with instance(redis_server, name="a") as (a, _):
+        limiter = a.rate_limiter(lambda: limits)
+        verdicts = []
+        for _ in range(60):
+            verdicts.append(limiter.check("k", 1))
+            await asyncio.sleep(0.01)
+        refused = [v for v in verdicts if not v.allowed]
+        assert refused, "the limit never bit"
+        assert sum(v.allowed for v in verdicts) <= 20 + 2
+        last = refused[-1]
+        assert last.retry_after_s > 0 and last.requests is not None
+        assert last.headers()["x-ratelimit-limit-requests"] == "20"
+
+
+async def test_limiter_falls_back_to_local_share_when_redis_is_down(
+    redis_server: RedisServer,
+) -> None:
+    limits = RateLimitsConfig(requests_per_min=100)
+    async with instance(redis_server, name="a") as (a, _), instance(redis_server, name="b"):
+        la = a.rate_limiter(lambda: limits)
+        await eventually(lambda: a.instances == 2, 3.0, "a sees b")
+        redis_server.kill()
+        await eventually(lambda: not a.up, 2.0, "a falls back")
+        allowed = sum(la.check("k", 1).allowed for _ in range(200))
+        assert allowed == 50  # its share: 100 / 2 instances, from a full local bucket
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def test_record_json_round_trip_keeps_every_field() -> None:
+    r = ReplicaRecord("p", U1, "ejected", "stall", 1763800000.5, 4, 2, 1763800000.123, "a")
+    assert ReplicaRecord.from_json(r.to_json()) == r
+    assert r.field == f"p {U1}"
+
+
+def test_record_from_junk_is_a_value_error() -> None:
+    for junk in (b"[]", b'{"pool": "p"}', b"not json"):
+        with pytest.raises(ValueError):
+            ReplicaRecord.from_json(junk)
+
+
+def test_sum_load_skips_self_reported_stale_and_reports_dead() -> None:
+    now = 1000.0
+    totals, live, dead = sum_load(
+        {
+            "a": {"_at": "999.5", U1: "3", U2: "1"},
+            "b": {"_at": "999.9", U1: "2"},
+            "old": {"_at": "900", U1: "50"},  # writer's clock far behind: treated as missing
+            "gone": {},
+        },
+        now,
+        ttl_s=10,
+    )
+    assert totals == {U1: 5, U2: 1} and live == 2 and dead == ["gone"]
+
+
+def test_breaker_opens_on_second_failure_in_a_row_and_then_allows_only_a_probe() -> None:
+    b = Breaker(probe_s=1.0, threshold=2)
+    assert b.failed(9.0) is False and b.allows(False, 9.0)  # one hiccup: still closed
+    b.succeeded()
+    assert b.failed(9.5) is False  # the count restarted
+    assert b.failed(10.0) is True
+    assert not b.allows(False, 10.5) and not b.allows(True, 10.5)
+    assert b.allows(True, 11.0) and not b.allows(False, 11.0)
+    assert b.failed(11.0) is False  # already open: no second "down"
+    b.succeeded()
+    assert b.allows(False, 11.0)
+
+
+def test_credit_is_one_batch_and_stops_when_the_shared_bucket_is_empty() -> None:
+    lease = Lease()
+    assert may_spend(lease, 1, batch=5)  # nothing leased yet: on credit
+    lease.stock = -4
+    assert may_spend(lease, 1, batch=5) and not may_spend(lease, 2, batch=5)
+    lease.stock, lease.exhausted = 0.5, True
+    assert not may_spend(lease, 1, batch=5)
+
+
+def test_lease_settles_debt_and_marks_an_empty_bucket() -> None:
+    lease = Lease(stock=-3)
+    ask = lease_amount(lease, batch=5)
+    assert ask == 8
+    settle(lease, ask, granted=8, left=100, now=0.0, per_s=1.0)
+    assert lease.stock == 5 and not lease.exhausted
+    lease.stock = 0
+    settle(lease, 5, granted=2, left=0, now=0.0, per_s=1.0)
+    assert lease.exhausted and lease.stock == 2 and lease.next_at > 0
+
+
+def test_local_state_is_always_up_and_shares_nothing() -> None:
+    state = shared_state_for(lambda: RedisConfig())
+    assert isinstance(state, LocalState)
+    assert state.up and state.remote_in_flight(U1) == 0
+    assert isinstance(state.rate_limiter(lambda: RateLimitsConfig()), LocalRateLimiter)
+
+
+def test_redis_url_selects_the_redis_backend() -> None:
+    state = shared_state_for(lambda: RedisConfig(url="redis://127.0.0.1:1/0"))
+    assert isinstance(state, RedisState)
+    assert isinstance(
+        state.rate_limiter(lambda: RateLimitsConfig(requests_per_min=1)), LeasedRateLimiter
+    )
+    assert math.isclose(batch_size(1), 1.0)
+
+
+# ---------------------------------------------------------------------------- the fleet glue
+
+
+class Recorder:
+    """A ``SharedState`` stand-in that records what the fleet publishes."""
+
+    instance = "me"
+    up = True
+
+    def __init__(self) -> None:
+        self.published: list[ReplicaRecord] = []
+
+    def publish(self, record: ReplicaRecord) -> None:
+        self.published.append(record)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fleet_view(*urls: str) -> tuple[Fleet, FleetView, Recorder, Metrics, Clock]:
+    policy = build_policy({"pools": {"p": {"replicas": [{"url": u} for u in urls]}},
+                           "lanes": [{"name": "all", "pool": "p"}]})  # fmt: skip
+    metrics, clock = Metrics(), Clock()
+    fleet = Fleet(policy, {}, metrics=metrics, clock=clock)
+    recorder = Recorder()
+    view = FleetView(fleet, recorder)  # type: ignore[arg-type]
+    return fleet, view, recorder, metrics, clock
+
+
+def test_fleet_transitions_are_published_with_wall_clock_end() -> None:
+    fleet, _, rec, _, clock = fleet_view(U1)
+    r = fleet.find(U1)[0]
+    fleet.operator_eject(r)
+    assert rec.published[-1].state == "ejected" and rec.published[-1].until is None
+    fleet.operator_readmit(r, force=True)
+    assert rec.published[-1].state == "healthy"
+    fleet._eject(r, EjectReason.STALL, clock(), "test")
+    last = rec.published[-1]
+    assert last.reason == "stall" and last.ejections == 2 and last.level == 1
+    assert (
+        last.until is not None and abs(last.until - (time.time() + r.ejected_until - clock())) < 0.1
+    )
+
+
+def test_remote_record_is_applied_without_echo_or_metrics() -> None:
+    fleet, view, rec, metrics, clock = fleet_view(U1, U2)
+    r = fleet.find(U1)[0]
+    fleet.operator_readmit(r, force=True)
+    rec.published.clear()
+    until = time.time() + 30
+    assert view.apply(
+        ReplicaRecord("p", U1, "ejected", "stall", until, ejections=4, level=2, instance="x")
+    )
+    assert r.state is ReplicaState.EJECTED and r.reason is EjectReason.STALL
+    assert r.ejections == 4 and r.backoff_level == 2
+    assert abs(r.ejected_until - (clock() + 30)) < 0.1
+    assert rec.published == []  # not shared back
+    labels = {"pool": "p", "replica": r.name, "reason": "stall"}
+    assert metrics.registry.get_sample_value("tokenlane_ejections_total", labels) in (None, 0.0)
+    fleet.tick(r, clock() + 31)  # the shared end time is honoured locally
+    assert r.state is ReplicaState.PROBING
+    view.apply(ReplicaRecord("p", U1, "healthy", instance="x"))  # another instance's canary
+    assert r.state is ReplicaState.HEALTHY
+    view.apply(ReplicaRecord("p", U1, "ejected", "operator", None, ejections=5, instance="x"))
+    assert r.state is ReplicaState.EJECTED and math.isinf(r.ejected_until)
+    assert not view.apply(ReplicaRecord("q", U1, "healthy"))  # no such replica here (yet)
+
+
+def test_reload_transitions_are_not_shared() -> None:
+    fleet, _, rec, _, _ = fleet_view(U1, U2)
+    r2 = fleet.find(U2)[0]
+    r2.in_flight = 1  # still busy: it drains after leaving the policy
+    policy = build_policy({"pools": {"p": {"replicas": [{"url": U1}]}},
+                           "lanes": [{"name": "all", "pool": "p"}]})  # fmt: skip
+    fleet.apply(policy)
+    assert r2.state is ReplicaState.DRAINING and rec.published == []
+
+
+def test_fleet_view_reports_in_flight_and_takes_remote_load() -> None:
+    fleet, view, _, _, _ = fleet_view(U1, U2)
+    r1 = fleet.find(U1)[0]
+    r1.in_flight = 3
+    assert view.in_flight() == {U1: 3}
+    view.remote_load({U1: 4})
+    assert r1.remote_in_flight == 4 and fleet.find(U2)[0].remote_in_flight == 0
+    assert r1.load == 7  # stats never scraped: waiting 0
+    assert [x.url for x in view.records()] == [U1, U2]

@@ -1,0 +1,276 @@
+"""Several gateways, one view of the fleet (issue 7): two gateway instances over the same
+simulated replicas and a real redis-server. Operator actions on one reach the other within 1 s;
+a lost pub/sub message converges by reconcile; a SIGKILLed instance's in-flight counts leave the
+others' view within TTL + heartbeat; Redis paused, killed and restarted under load costs no
+request, and the instances converge afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.client import LoadClient
+from loadtest.sim.server import Sim, run_sim
+from loadtest.sim.settings import SimSettings
+from loadtest.stats import OK, RequestResult
+from proxy.app import GatewayApp
+from proxy.fleet import EjectReason, Replica, ReplicaState
+
+from .gateway import gateway_process, policy_for, running_gateway
+from .redis_server import RedisServer, running_redis
+
+pytestmark = pytest.mark.redis
+
+API_KEY = "sk-shared-test"
+# Short intervals so that the tests take seconds: TTL 1 s, heartbeat 0.2 s.
+REDIS = {"timeout_ms": 50, "heartbeat_s": 0.2, "ttl_s": 1.0}
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+def shared_policy(sims: list[Sim], redis_url: str, **sections: Any) -> dict[str, Any]:
+    return policy_for(
+        {"p": [s.url for s in sims]},
+        balance="least_loaded",
+        redis={"url": redis_url, **REDIS},
+        **sections,
+    )
+
+
+@contextlib.asynccontextmanager
+async def two_gateways(
+    sims: list[Sim], redis_url: str, **sections: Any
+) -> AsyncIterator[tuple[tuple[str, GatewayApp], tuple[str, GatewayApp]]]:
+    data = shared_policy(sims, redis_url, **sections)
+    environ = {"TOKENLANE_API_KEYS": API_KEY}
+    async with running_gateway(data, environ=environ) as a, running_gateway(
+        data, environ=environ
+    ) as b:  # fmt: skip
+        yield a, b
+
+
+def replica(app: GatewayApp, sim: Sim) -> Replica:
+    return app.gateway.fleet.find(sim.url)[0]
+
+
+async def eventually(pred: Callable[[], object], timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def admin(gateway: str, action: str, **body: Any) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        resp = await client.post(f"{gateway}/admin/replicas/{action}", json=body)
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json())
+
+
+def chat(i: int, max_tokens: int = 16, stream: bool = True) -> bytes:
+    return json.dumps(
+        {
+            "model": "Qwen/Qwen2.5-0.5B-Instruct",
+            "messages": [{"role": "user", "content": f"request {i}"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    ).encode()
+
+
+@contextlib.asynccontextmanager
+async def load(urls: list[str], workers: int = 3) -> AsyncIterator[list[RequestResult]]:
+    """Closed-loop clients on every gateway (streamed and plain requests, with a client key so
+    the shared rate limiter is on the path) until the block ends; then every request must end
+    within 15 s."""
+    stop, results = asyncio.Event(), []
+
+    async def worker(client: LoadClient, n: int) -> None:
+        while not stop.is_set():
+            i = len(results)
+            stream = i % 3 != 0
+            result = RequestResult(
+                index=i, cls="chat", stream=stream, prompt_tokens=0, max_tokens=16,
+                scheduled_s=0.0,
+            )  # fmt: skip
+            results.append(result)
+            await client.send("/v1/chat/completions", chat(i, stream=stream), result)
+
+    async def run(url: str) -> None:
+        async with LoadClient(url, api_key=API_KEY, timeout_s=30) as client:
+            await asyncio.gather(*(worker(client, n) for n in range(workers)))
+
+    task = asyncio.gather(*(run(u) for u in urls))
+    try:
+        yield results
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
+def chat_requests(sim: Sim) -> int:
+    return len(sim.requests("/v1/chat/completions"))
+
+
+# ---------------------------------------------------------------------------- operator actions
+
+
+async def test_operator_ejection_on_one_gateway_is_applied_by_the_other_within_1s(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        run_sim(name="sim0") as s0,
+        run_sim(name="sim1") as s1,
+        two_gateways([s0, s1], redis_server.url) as ((url_a, _), (url_b, app_b)),
+    ):
+        target = replica(app_b, s0)
+        await eventually(lambda: target.state is ReplicaState.HEALTHY, 5, "B sees s0 healthy")
+        row = await admin(url_a, "eject", url=s0.url)
+        assert row["state"] == "ejected"
+        took = await eventually(
+            lambda: target.state is ReplicaState.EJECTED, 1.0, "B applies A's operator ejection"
+        )
+        assert target.reason is EjectReason.OPERATOR and target.ejections == 1
+        print(f"operator ejection on A applied by B in {took * 1000:.0f} ms")
+        # B, which saw nothing wrong with s0, no longer sends it anything.
+        before = chat_requests(s0)
+        async with httpx.AsyncClient(
+            base_url=url_b, headers={"authorization": f"Bearer {API_KEY}"}
+        ) as client:
+            for i in range(6):
+                resp = await client.post("/v1/chat/completions", content=chat(i, stream=False))
+                assert resp.status_code == 200
+        assert chat_requests(s0) == before
+        # Readmission on A (forced: no canary) reaches B too.
+        await admin(url_a, "readmit", url=s0.url, force=True)
+        await eventually(lambda: target.state is ReplicaState.HEALTHY, 1.0, "B readmits s0")
+        await admin(url_b, "drain", url=s1.url)
+        await eventually(
+            lambda: replica(app_b, s1).state is ReplicaState.DRAINING, 1.0, "drain is shared"
+        )
+
+
+async def test_ejection_while_subscribers_are_cut_off_converges_by_reconcile(
+    redis_server: RedisServer,
+) -> None:
+    # T18: the PUBLISH happens while no instance is subscribed; the message is lost for good.
+    async with (
+        run_sim(name="sim0") as s0,
+        run_sim(name="sim1") as s1,
+        two_gateways([s0, s1], redis_server.url) as ((url_a, _), (_, app_b)),
+    ):
+        target = replica(app_b, s0)
+        await eventually(lambda: target.state is ReplicaState.HEALTHY, 5, "B sees s0 healthy")
+        assert redis_server.command("CLIENT", "KILL", "TYPE", "pubsub").startswith(b":")
+        await admin(url_a, "eject", url=s0.url)
+        took = await eventually(
+            lambda: target.state is ReplicaState.EJECTED, 5.0, "B converges by reconcile"
+        )
+        print(f"lost message converged in {took:.2f}s (reconcile every 1 s)")
+
+
+# ---------------------------------------------------------------------------- load
+
+
+async def test_killed_gateway_in_flight_counts_leave_the_other_view(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # T17. 50 ms steps: a 1000-token answer takes ~50 s, so the requests stay in flight.
+    slow = SimSettings(step_fixed_s=0.05)
+    async with run_sim(slow, name="slow") as sim:
+        data = shared_policy([sim], redis_server.url)
+        async with (
+            running_gateway(data) as (_, app_b),
+            gateway_process(data, tmp_path) as (url_p, pid),
+        ):
+            seen = replica(app_b, sim)
+            async with httpx.AsyncClient(base_url=url_p, timeout=60) as client:
+
+                async def hold(i: int) -> None:
+                    with contextlib.suppress(httpx.HTTPError):
+                        async with client.stream(
+                            "POST", "/v1/chat/completions", content=chat(i, max_tokens=1000)
+                        ) as resp:
+                            async for _ in resp.aiter_raw():
+                                pass
+
+                holders = [asyncio.create_task(hold(i)) for i in range(5)]
+                try:
+                    await eventually(lambda: seen.remote_in_flight == 5, 10, "B sees P's 5")
+                    assert seen.load >= 5  # balancing counts them
+                    os.kill(pid, signal.SIGKILL)
+                    took = await eventually(
+                        lambda: seen.remote_in_flight == 0, 5.0, "P's counts expire"
+                    )
+                finally:
+                    for h in holders:
+                        h.cancel()
+                    await asyncio.gather(*holders, return_exceptions=True)
+    # TTL 1.0 + heartbeat 0.2 + one reconcile 1.0 at most; the rest is slack for a busy box.
+    assert took <= 1.0 + 0.2 + 1.0 + 1.0, took
+    print(f"B's view clean {took:.2f}s after SIGKILL (TTL 1.0 s, heartbeat 0.2 s)")
+
+
+async def test_redis_paused_killed_and_restarted_under_load_fails_no_request(
+    redis_server: RedisServer,
+) -> None:
+    limits = {"requests_per_min": 1_000_000, "tokens_per_min": 100_000_000}
+    async with (
+        run_sim(name="sim0") as s0,
+        run_sim(name="sim1") as s1,
+        two_gateways([s0, s1], redis_server.url, rate_limits=limits) as (
+            (url_a, app_a),
+            (url_b, app_b),
+        ),
+    ):
+        a, b = app_a.gateway, app_b.gateway
+        both_up = lambda: a.shared.up and b.shared.up  # noqa: E731
+        both_down = lambda: not a.shared.up and not b.shared.up  # noqa: E731
+        await eventually(both_up, 5, "both joined")
+        async with load([url_a, url_b]) as results:
+            await asyncio.sleep(0.5)
+            redis_server.pause()  # slow: connections accepted, nothing answered
+            try:
+                await eventually(both_down, 3, "both fall back while Redis hangs")
+                await asyncio.sleep(0.5)
+            finally:
+                redis_server.resume()
+            await eventually(both_up, 5, "both back after resume")
+            redis_server.kill()  # down, and everything it held is lost
+            await eventually(both_down, 3, "both fall back while Redis is down")
+            # An operator action during the outage: local on A until Redis returns.
+            await admin(url_a, "drain", url=s1.url)
+            await asyncio.sleep(0.5)
+            assert replica(app_b, s1).state is ReplicaState.HEALTHY
+            redis_server.start()
+            await eventually(both_up, 5, "both re-sync after restart")
+            await eventually(
+                lambda: replica(app_b, s1).state is ReplicaState.DRAINING,
+                3,
+                "A's outage drain reaches B",
+            )
+            await eventually(lambda: replica(app_b, s0).remote_in_flight > 0, 3, "load view back")
+            await asyncio.sleep(0.3)
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url_a + "/metrics")).text
+        assert "tokenlane_shared_state_up 1.0" in text
+    failed = [r for r in results if r.outcome != OK]
+    assert len(results) > 50
+    assert not failed, [(r.status, r.error) for r in failed][:5]
+    print(f"{len(results)} requests across pause, kill and restart of Redis, 0 failed")
