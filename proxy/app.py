@@ -164,6 +164,7 @@ class Gateway:
             self.health.replicas_changed()
         self.estimator.configure(declared.estimate)
         self.admission.set_lanes(declared.lanes)
+        self.admission.kick()  # new replicas or looser limits may serve waiters now
         self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
         self.metrics.set_lane_bounds(declared.lanes)
         for pool in declared.pools:
@@ -211,6 +212,7 @@ class Gateway:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        await self.admission.close()
         await self.health.stop()
         await self.shared.stop()
         await self.client.aclose()
