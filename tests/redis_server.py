@@ -8,17 +8,26 @@ Tests wrap ``running_redis()`` in a fixture. It fails, not skips, when
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from .servers import free_port
+
+
+def _die_with_parent() -> None:
+    # A test run killed from outside (a timeout) skips its fixtures' cleanup: the kernel then
+    # ends the server instead (Linux PR_SET_PDEATHSIG).
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 class RedisServer:
@@ -37,7 +46,11 @@ class RedisServer:
             "--loglevel", "warning", "--dir", "/tmp",
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while True:

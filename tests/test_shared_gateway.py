@@ -2,7 +2,7 @@
 simulated replicas and a real redis-server. Operator actions on one reach the other within 1 s;
 a lost pub/sub message converges by reconcile; a SIGKILLed instance's in-flight counts leave the
 others' view within TTL + heartbeat; Redis paused, killed and restarted under load costs no
-request, and the instances converge afterwards."""
+request, and the instances converge afterwards; a client key's rate limit is one budget."""
 
 from __future__ import annotations
 
@@ -274,3 +274,31 @@ async def test_redis_paused_killed_and_restarted_under_load_fails_no_request(
     assert len(results) > 50
     assert not failed, [(r.status, r.error) for r in failed][:5]
     print(f"{len(results)} requests across pause, kill and restart of Redis, 0 failed")
+
+
+async def test_client_key_budget_is_shared_by_both_gateways(redis_server: RedisServer) -> None:
+    limit, batch = 40, 2  # a batch is 5 % of the limit
+    async with (
+        run_sim(name="sim0") as s0,
+        two_gateways([s0], redis_server.url, rate_limits={"requests_per_min": limit}) as (
+            (url_a, app_a),
+            (url_b, app_b),
+        ),
+    ):
+        await eventually(lambda: app_a.gateway.shared.up and app_b.gateway.shared.up, 5, "up")
+        statuses: list[int] = []
+        started = time.monotonic()
+        headers = {"authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(headers=headers, timeout=10) as client:
+            for i in range(120):  # 3 × the limit, alternating between the two gateways
+                url = (url_a, url_b)[i % 2]
+                resp = await client.post(
+                    url + "/v1/chat/completions", content=chat(i, max_tokens=1, stream=False)
+                )
+                statuses.append(resp.status_code)
+        refill = (time.monotonic() - started) * limit / 60
+    allowed = statuses.count(200)
+    assert set(statuses) <= {200, 429}
+    # Each gateway alone would allow 40: together they must stay within one budget.
+    assert limit - 2 * batch <= allowed <= limit + refill + 2 * batch, (allowed, refill)
+    print(f"one budget of {limit}/min over two gateways: {allowed} allowed (+{refill:.1f} refill)")
