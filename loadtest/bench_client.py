@@ -20,14 +20,12 @@ import json
 import os
 import re
 import resource
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from .procs import free_port, process, wait_port
 from .runner import TraceRequest, _run_loop, run_trace
 
 MODEL = "bench"
@@ -206,38 +204,11 @@ def serve(port: int, gap_ms: float) -> None:
 @contextlib.contextmanager
 def fake_upstream(gap_ms: float = 0.0) -> Iterator[str]:
     """The fake in its own process (so it does not share the client's core); yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loadtest.bench_client",
-            "--serve",
-            str(port),
-            "--gap-ms",
-            str(gap_ms),
-        ],
-        start_new_session=True,
-    )
-    try:
-        _wait_port(port)
+    port = free_port()
+    argv = [sys.executable, "-m", "loadtest.bench_client", "--serve", str(port)]
+    with process([*argv, "--gap-ms", str(gap_ms)], stderr=None):
+        wait_port(port, 10, connect_s=0.5)
         yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-
-
-def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"fake upstream on port {port} did not start")
 
 
 def measure(

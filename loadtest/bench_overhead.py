@@ -23,10 +23,8 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,57 +35,10 @@ from typing import Any
 
 import yaml
 
+from .procs import cpu_seconds, free_port, process, wait_http, wait_port
+
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def wait_port(port: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not open")
-
-
-@contextlib.contextmanager
-def process(argv: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_port(port)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def wait_ready(url_port: int, timeout_s: float = 20.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{url_port}/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.05)
-    raise TimeoutError("gateway not ready")
 
 
 # ---------------------------------------------------------------------------- the client
@@ -266,9 +217,10 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
                         "--interval-ms",
                         str(interval_ms),
                     ],
-                    p,
+                    stderr=None,
                 )
             )
+            wait_port(p)
         policy = {
             "server": {"host": "127.0.0.1", "port": gw_port},
             "pools": {
@@ -286,24 +238,22 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         path = Path(tmp) / "policy.yaml"
         path.write_text(yaml.safe_dump(policy))
-        env_log = stack.enter_context(open(Path(tmp) / "gw.log", "w"))
-        gw = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy",
-                "serve",
-                "--config",
-                str(path),
-                "--log-level",
-                "warning",
-            ],
-            stdout=env_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        gw = stack.enter_context(
+            process(
+                [
+                    sys.executable,
+                    "-m",
+                    "proxy",
+                    "serve",
+                    "--config",
+                    str(path),
+                    "--log-level",
+                    "warning",
+                ],
+                log=Path(tmp) / "gw.log",
+            )
         )
-        stack.callback(lambda: (os.killpg(gw.pid, signal.SIGTERM), gw.wait(10)))
-        wait_ready(gw_port)
+        wait_http(f"http://127.0.0.1:{gw_port}/ready")
         yield ports, gw_port, gw.pid
 
 

@@ -36,12 +36,9 @@ import datetime as dt
 import json
 import os
 import resource
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,12 +48,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .client import LoadClient
+from .procs import await_http, cpu_seconds, free_port, process, rss_mb
 from .runner import run_trace
 from .stats import CONNECT_ERROR, INCOMPLETE, TIMEOUT, RequestResult, lateness, percentile
 from .workload import ClassSpec, Dist, Scenario, scenario_requests
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 DEFAULT_PLOT = Path("docs/overload.png")
 WARMUP_S = 10.0  # RSS growth is measured after this much of each level
 
@@ -166,42 +163,6 @@ POLICIES = {"tokenlane": tokenlane_policy, "roundrobin": roundrobin_policy}
 # ---------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("ab") as err:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True
-        )
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -212,17 +173,6 @@ def raise_open_files_limit() -> None:
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     del soft
-
-
-async def wait_ok(http: httpx.AsyncClient, url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if (await http.get(url)).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
-        await asyncio.sleep(0.1)
 
 
 async def wait_idle(http: httpx.AsyncClient, sims: Sequence[str], timeout_s: float) -> None:
@@ -373,9 +323,9 @@ async def gateway(
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path),
             "--log-level", "warning"]  # fmt: skip
-    with process(argv, workdir / f"gateway-{name}.log") as proc:
+    with process(argv, log=workdir / f"gateway-{name}.log", grace_s=15) as proc:
         url = f"http://127.0.0.1:{policy['server']['port']}"
-        await wait_ok(http, url + "/ready", 90)
+        await await_http(http, url + "/ready", 90, interval_s=0.1)
         yield url, proc.pid
 
 
@@ -401,7 +351,7 @@ async def run_gateway(
                 requests = scenario_requests(scenario)
                 before_all = scrape((await http.get(url + "/metrics")).text)
                 before = before_all["tokenlane_rejections"]
-                cpu0 = (self_cpu_s(), cpu_s(pid), sum(cpu_s(p) for p in sim_pids))
+                cpu0 = (self_cpu_s(), cpu_seconds(pid), sum(cpu_seconds(p) for p in sim_pids))
                 wall0 = time.monotonic()
                 print(
                     f"  {name} {mult:g}x: {len(requests)} requests at "
@@ -413,7 +363,7 @@ async def run_gateway(
                     timeout_s=args.client_timeout_s,
                 )  # fmt: skip
                 wall = time.monotonic() - wall0
-                cpu1 = (self_cpu_s(), cpu_s(pid), sum(cpu_s(p) for p in sim_pids))
+                cpu1 = (self_cpu_s(), cpu_seconds(pid), sum(cpu_seconds(p) for p in sim_pids))
                 after_all = scrape((await http.get(url + "/metrics")).text)
                 after = after_all["tokenlane_rejections"]
                 waits = {
@@ -648,13 +598,13 @@ async def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 [sys.executable, "-m", "loadtest.sim", "--port", str(p), "--name", f"sim{i}",
                  "--max-num-seqs", str(args.max_num_seqs), "--request-log-size", "0",
                  "--fault", "slow", "--fault-param", f"factor={args.factor}"],
-                workdir / f"sim{i}.log",
+                log=workdir / f"sim{i}.log", grace_s=15,
             ))
             for i, p in enumerate(ports)
         ]  # fmt: skip
         async with httpx.AsyncClient(timeout=10) as http:
             for url in sims:
-                await wait_ok(http, url + "/health")
+                await await_http(http, url + "/health", 60, interval_s=0.1)
             gateways = []
             for name in args.gateways:
                 gw = await run_gateway(name, sims, [p.pid for p in procs], workdir, args, http)

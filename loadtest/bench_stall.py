@@ -21,13 +21,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ import httpx
 import yaml
 
 from .client import LoadClient
+from .procs import await_http, free_port, process
 from .stats import OK, RequestResult, percentile
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -179,40 +178,6 @@ def _r(x: float | None) -> float | None:
 # ---------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    import socket
-
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def process(argv: list[str], stderr: Any = subprocess.DEVNULL) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-async def wait_http(client: httpx.AsyncClient, url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if (await client.get(url)).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not answering 200 after {timeout_s}s")
-        await asyncio.sleep(0.05)
-
-
 def policy(urls: list[str], args: argparse.Namespace, port: int) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": port},
@@ -270,8 +235,8 @@ async def run(args: argparse.Namespace) -> StallReport:
         )
         async with httpx.AsyncClient(timeout=10) as http:
             for url in urls:
-                await wait_http(http, url + "/health")
-            await wait_http(http, gateway + "/ready")
+                await await_http(http, url + "/health")
+            await await_http(http, gateway + "/ready")
             stop = asyncio.Event()
             sent: list[Sent] = []
             load = asyncio.create_task(

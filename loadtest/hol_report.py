@@ -32,9 +32,6 @@ import datetime as dt
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +44,7 @@ import httpx
 import yaml
 
 from .client import LoadClient
+from .procs import ProcessExitedError, await_http, free_port, spawn, stop
 from .runner import _run_loop, run_trace
 from .sim.settings import DEFAULT_MODEL, SimSettings
 from .sim.supervisor import SimSpec, Supervisor
@@ -245,12 +243,6 @@ def notes(report: Mapping[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def gateway(
     policy: dict[str, Any], workdir: Path, http: httpx.AsyncClient
@@ -260,37 +252,16 @@ async def gateway(
     path = workdir / f"policy-{name}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path), "--log-level", "warning"]
-    proc = _spawn(argv, workdir / f"gateway-{name}.log")
+    proc = spawn(argv, log=workdir / f"gateway-{name}.log")
     url = f"http://127.0.0.1:{policy['server']['port']}"
     try:
-        deadline = time.monotonic() + 60
-        while not await _answers(http, url + "/ready"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise HolReportError(f"gateway {name} did not become ready (see its log)")
-            await asyncio.sleep(0.05)
+        try:
+            await await_http(http, url + "/ready", 60, proc=proc)
+        except (TimeoutError, ProcessExitedError) as exc:
+            raise HolReportError(f"gateway {name} did not become ready (see its log)") from exc
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    """A child in its own process group (so stopping it stops all of it), output to a log."""
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
-
-
-async def _answers(http: httpx.AsyncClient, url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return (await http.get(url)).status_code == 200
-    return False
+        await asyncio.to_thread(stop, proc, 10)
 
 
 async def wait_idle(

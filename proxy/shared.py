@@ -16,15 +16,18 @@ Without ``redis.url`` every instance keeps its own view (``LocalState``). With i
   every ``heartbeat_s`` with a ``ttl_s`` expiry, so a crashed instance's counts vanish by
   themselves. A background loop sums the other live instances' hashes into a view that the
   balancer reads from memory.
-- **Rate limits**: ``LeasedRateLimiter`` decides from local stock and leases batches of tokens
-  from a token bucket kept in Redis, in the background.
+- **Rate limits**: ``LeasedRateLimiter`` (``ratelimit_shared``) decides from local stock; the
+  lease loop here refills that stock in batches leased from token buckets kept in Redis.
 
-Redis slow or down: every call is bounded by ``redis.timeout_ms`` (socket timeouts and no client
-retries, plus an ``asyncio.timeout`` around the whole call). Two failed calls in a row open a
-breaker (``tokenlane_shared_state_up`` 0, one log line): the instance goes on with its local
-view and local rate limits, and a probe every ``PROBE_S`` looks for Redis. When it answers, the
-instance re-syncs (its unwritten transitions, its known records if Redis lost them, its load)
-before it trusts the shared view again, and says so in one log line.
+Redis slow or down (the calls and the breaker: ``redislink``): every call is bounded by
+``redis.timeout_ms``. Two failed calls in a row open the breaker (``tokenlane_shared_state_up``
+0, one log line): the instance goes on with its local view and local rate limits, and a probe
+every ``PROBE_S`` looks for Redis. When it answers, the instance re-syncs (its unwritten
+transitions, its known records if Redis lost them, its load) before it trusts the shared view
+again, and says so in one log line.
+
+This module holds the protocol (``SharedState``, ``LocalView``, ``ReplicaRecord``), both
+backends, and the fleet's side of it (``FleetView``).
 
 Keys (prefix ``tokenlane``): ``{p}:replicas`` (hash: ``"{pool} {url}"`` → record JSON),
 ``{p}:replicas:changed`` (channel), ``{p}:instances`` (set of instance ids),
@@ -43,40 +46,82 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-from redis.maint_notifications import MaintNotificationsConfig
 
 from .config import RateLimitsConfig, RedisConfig
 from .fleet import EjectReason, Fleet, Replica, ReplicaState
-from .ratelimit import (
-    REQUEST_TOO_LARGE_RETRY_AFTER_S,
-    LimitState,
-    LocalRateLimiter,
-    RateLimiter,
-    Verdict,
+from .ratelimit import LocalRateLimiter, RateLimiter
+from .ratelimit_shared import (
+    BUCKET_IDLE_MS,
+    LEASE,
+    LEASE_FRACTION,
+    LEASE_TICK_S,
+    Lease,
+    LeaseAsk,
+    LeasedRateLimiter,
+    batch_size,
+    lease_amount,
+    limit_state,
+    may_spend,
+    needs_lease,
+    scaled,
+    settle,
+)
+from .redislink import (
+    PROBE_S,
+    REDIS_ERRORS,
+    Breaker,
+    Unavailable,
+    cancelling,
+    connect,
+    wait_event,
 )
 
 if TYPE_CHECKING:
     from .metrics import Metrics
+
+# Names that moved to ratelimit_shared and redislink are re-exported: importable from here
+# as before.
+__all__ = [
+    "BUCKET_IDLE_MS",
+    "LEASE",
+    "LEASE_FRACTION",
+    "LEASE_TICK_S",
+    "PROBE_S",
+    "REDIS_ERRORS",
+    "Breaker",
+    "FleetView",
+    "Lease",
+    "LeaseAsk",
+    "LeasedRateLimiter",
+    "LocalState",
+    "LocalView",
+    "RedisState",
+    "ReplicaRecord",
+    "SharedState",
+    "Unavailable",
+    "batch_size",
+    "lease_amount",
+    "limit_state",
+    "may_spend",
+    "needs_lease",
+    "new_instance_id",
+    "record_of",
+    "scaled",
+    "settle",
+    "shared_state_for",
+    "sum_load",
+]
 
 log = logging.getLogger("tokenlane.shared")
 
 T = TypeVar("T")
 
 RECONCILE_S = 1.0  # full read of the replica records and of the others' load
-PROBE_S = 1.0  # while the breaker is open: one PING this often
 SUBSCRIBE_POLL_S = 1.0  # a pub/sub read waits this long for a message, then loops
-LEASE_TICK_S = 0.25  # the lease loop looks at the stocks this often (and when woken)
-LEASE_FRACTION = 0.05  # one lease batch: 5 % of a minute's limit (at least 1)
-BUCKET_IDLE_MS = 120_000  # a shared bucket idle this long is full again: let Redis drop it
-# What a Redis call may raise when Redis is slow, down or restarting; anything else is a bug.
-REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 
 
 # ---------------------------------------------------------------------------- records
@@ -220,61 +265,6 @@ def shared_state_for(
     return RedisState(url, config, metrics=metrics)
 
 
-# ---------------------------------------------------------------------------- breaker
-
-
-@dataclass(slots=True)
-class Breaker:
-    """Closed: calls go to Redis. Open: they fail at once, except the probe, due every
-    ``probe_s``. It opens on the ``threshold``-th failure in a row: the timeout also counts the
-    time the event loop was busy elsewhere, and one such hiccup must not flip the instance to
-    its local view (the caller confirms a first failure with another call at once)."""
-
-    probe_s: float = PROBE_S
-    threshold: int = 2
-    closed: bool = True
-    failures: int = 0
-    next_probe: float = 0.0
-
-    def allows(self, probe: bool, now: float) -> bool:
-        return self.closed or (probe and now >= self.next_probe)
-
-    def succeeded(self) -> None:
-        self.failures = 0
-        self.closed = True
-
-    def failed(self, now: float) -> bool:
-        """True when this failure opened it."""
-        self.failures += 1
-        self.next_probe = now + self.probe_s
-        if self.closed and self.failures >= self.threshold:
-            self.closed = False
-            return True
-        return False
-
-
-class Unavailable(Exception):
-    """Redis did not answer in time, failed, or the breaker is open: use the local view."""
-
-
-def _cancelling() -> bool:
-    # Python 3.11's asyncio.timeout may turn an outside cancel that lands as it expires into
-    # TimeoutError; a loop that then carries on would never stop. Ask the task instead.
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
-    """Until ``event`` is set or ``timeout_s`` passes (no TimeoutError to confuse with a
-    cancel); clears it."""
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter}, timeout=timeout_s)
-    finally:
-        waiter.cancel()
-    event.clear()
-
-
 # ---------------------------------------------------------------------------- Lua
 
 # Write one replica record. ARGV: field, proposed record (JSON), mode, channel.
@@ -306,24 +296,6 @@ local out = cjson.encode(new)
 redis.call('HSET', KEYS[1], ARGV[1], out)
 redis.call('PUBLISH', ARGV[4], out)
 return out
-"""
-
-# Take up to ARGV[2] units from the per-minute bucket of limit ARGV[1] (refilled continuously at
-# limit/60 per second, by the server's clock). Returns {granted, level after}.
-LEASE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local limit = tonumber(ARGV[1])
-local want = tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'level', 'at')
-local level = tonumber(v[1]) or limit
-local at = tonumber(v[2]) or now
-level = math.min(limit, level + math.max(0, now - at) * limit / 60)
-local grant = math.max(0, math.min(want, level))
-level = level - grant
-redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {tostring(grant), tostring(level)}
 """
 
 # Drop a dead instance from the registry, unless it came back meanwhile.
@@ -358,21 +330,7 @@ class RedisState:
         self.reconcile_s = reconcile_s
         self.clock = clock
         self.breaker = Breaker(probe_s)
-        timeout_s = config().timeout_ms / 1000
-        # redis-py's defaults wait seconds (socket timeout 5 s, 10 retries with backoff): set
-        # both timeouts and no retries, so a call fails within timeout_ms and the breaker decides.
-        self._redis: Redis = Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-            decode_responses=True,
-            # Off: "auto" costs a CLIENT command on every new connection (and fails on a
-            # plain Redis): one more round trip inside the timeout after each reconnect.
-            maint_notifications_config=MaintNotificationsConfig(enabled=False),
-        )
+        self._redis: Redis = connect(url, config().timeout_ms / 1000)
         self._merge = self._redis.register_script(MERGE_RECORD)
         self._lease = self._redis.register_script(LEASE)
         self._prune = self._redis.register_script(PRUNE)
@@ -483,7 +441,7 @@ class RedisState:
             async with asyncio.timeout(self.config().timeout_ms / 1000):
                 result = await fn()
         except REDIS_ERRORS as exc:
-            if _cancelling():
+            if cancelling():
                 raise asyncio.CancelledError from exc
             why = f"{what}: {type(exc).__name__}: {exc}".rstrip(": ")
             if self.breaker.failed(self.clock()):
@@ -679,7 +637,7 @@ class RedisState:
             except Exception:  # a bug must not end the loop
                 log.exception("shared state: sync failed")
             wait = self.reconcile_s if self._up else self.breaker.probe_s
-            await _wait_event(self._reconcile_now, wait)
+            await wait_event(self._reconcile_now, wait)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -724,20 +682,20 @@ class RedisState:
                     if message is not None and message.get("type") == "message":
                         self._on_message(message["data"])
             except REDIS_ERRORS as exc:
-                if _cancelling():
+                if cancelling():
                     raise asyncio.CancelledError from exc
                 log.debug("shared state: subscription lost: %r", exc)
             finally:
                 with contextlib.suppress(*REDIS_ERRORS):
                     async with asyncio.timeout(self.config().timeout_ms / 1000):
                         await pubsub.aclose()
-            if _cancelling():
+            if cancelling():
                 raise asyncio.CancelledError
             await asyncio.sleep(min(self.breaker.probe_s, self.reconcile_s))
 
     async def _lease_loop(self) -> None:
         while True:
-            await _wait_event(self._lease_now, LEASE_TICK_S)
+            await wait_event(self._lease_now, LEASE_TICK_S)
             if not self._up:
                 continue
             for limiter in self._limiters:
@@ -864,176 +822,3 @@ class FleetView:
     def remote_load(self, in_flight: Mapping[str, int]) -> None:
         for r in self.fleet.replicas():
             r.remote_in_flight = in_flight.get(r.url, 0)
-
-
-# ---------------------------------------------------------------------------- rate limits
-
-
-@dataclass(slots=True)
-class Lease:
-    """One key's stock of one limit, leased from the shared bucket.
-
-    ``stock`` is leased and unspent; below 0 it is spent on credit, owed to the shared bucket
-    and settled by the next lease. ``exhausted``: the last lease got less than it asked, so no
-    more credit until one does. ``want``: the largest cost refused for lack of stock (the next
-    lease asks for at least that much).
-    """
-
-    stock: float = 0.0
-    left: float | None = None  # the shared bucket's level after our last lease; None: never
-    exhausted: bool = False
-    want: float = 0.0
-    next_at: float = 0.0  # no lease before this (the shared bucket was empty)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseAsk:
-    kind: str  # "requests" or "tokens"
-    key: str
-    limit: int
-    amount: float
-
-
-def batch_size(limit: int) -> float:
-    return float(max(1, math.ceil(limit * LEASE_FRACTION)))
-
-
-def may_spend(lease: Lease, cost: float, batch: float) -> bool:
-    """Pay from stock; else, while the shared bucket is not known to be empty, on credit: up to
-    one batch of debt, or one request when nothing is owed. So N instances overshoot a limit by
-    at most N batches (or N requests larger than a batch)."""
-    if cost <= lease.stock:
-        return True
-    if lease.exhausted:
-        return False
-    return lease.stock >= 0 or lease.stock - cost >= -batch
-
-
-def lease_amount(lease: Lease, batch: float) -> float:
-    """Enough to settle the debt and hold one batch (or the largest refused cost)."""
-    return max(0.0, max(batch, lease.want) - lease.stock)
-
-
-def needs_lease(lease: Lease, batch: float, now: float) -> bool:
-    low = lease.stock < batch / 2 or lease.want > lease.stock
-    return low and now >= lease.next_at
-
-
-def settle(
-    lease: Lease, asked: float, granted: float, left: float, now: float, per_s: float
-) -> None:
-    lease.stock += granted
-    lease.left = left
-    lease.exhausted = granted + 1e-9 < asked
-    if lease.stock >= lease.want:
-        lease.want = 0.0
-    if lease.exhausted:
-        # Ask again when the bucket will have refilled what was missing (within 1 s).
-        lease.next_at = now + min(1.0, max(LEASE_TICK_S, (asked - granted) / per_s))
-    else:
-        lease.next_at = 0.0
-
-
-def limit_state(lease: Lease, limit: int) -> LimitState:
-    shared = lease.left if lease.left is not None else float(limit)
-    remaining = int(max(0.0, min(float(limit), shared + max(lease.stock, 0.0))))
-    return LimitState(limit=limit, remaining=remaining, reset_s=(limit - remaining) * 60.0 / limit)
-
-
-def scaled(cfg: RateLimitsConfig, instances: int) -> RateLimitsConfig:
-    """Each instance's share of the limits while Redis is unreachable."""
-    n = max(1, instances)
-
-    def share(limit: int | None) -> int | None:
-        return None if limit is None else math.ceil(limit / n)
-
-    return RateLimitsConfig(
-        requests_per_min=share(cfg.requests_per_min), tokens_per_min=share(cfg.tokens_per_min)
-    )
-
-
-@dataclass
-class LeasedRateLimiter:
-    """Per-key limits shared by all instances: decided from local stock, with no Redis call
-    per request; ``RedisState`` refills the stock in the background. While Redis is down each
-    instance enforces its share of the limits (limit / live instances last seen) locally."""
-
-    state: RedisState
-    limits: Callable[[], RateLimitsConfig]
-    leases: dict[tuple[str, str], Lease] = field(default_factory=dict)
-    fallback: LocalRateLimiter = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.fallback = LocalRateLimiter(lambda: scaled(self.limits(), self.state.instances))
-
-    @property
-    def enabled(self) -> bool:
-        cfg = self.limits()
-        return cfg.requests_per_min is not None or cfg.tokens_per_min is not None
-
-    def check(self, key: str, tokens: int) -> Verdict:
-        if not self.state.up:
-            return self.fallback.check(key, tokens)
-        cfg = self.limits()
-        parts: list[tuple[str, int, float, Lease]] = []
-        for kind, limit, cost in (
-            ("requests", cfg.requests_per_min, 1.0),
-            ("tokens", cfg.tokens_per_min, float(tokens)),
-        ):
-            if limit is not None:
-                lease = self.leases.get((kind, key))
-                if lease is None:
-                    lease = self.leases[(kind, key)] = Lease()
-                parts.append((kind, limit, cost, lease))
-        too_large = any(cost > limit for _, limit, cost, _ in parts)
-        short = [p for p in parts if not may_spend(p[3], p[2], batch_size(p[1]))]
-        allowed = not too_large and not short
-        wait = 0.0
-        if allowed:
-            for _, _, cost, lease in parts:
-                lease.stock -= cost
-        elif too_large:
-            wait = REQUEST_TOO_LARGE_RETRY_AFTER_S
-        else:
-            for _, limit, cost, lease in short:
-                lease.want = max(lease.want, cost)
-                wait = max(wait, _retry_after(lease, cost, limit))
-        now = self.state.clock()
-        if any(needs_lease(lease, batch_size(limit), now) for _, limit, _, lease in parts):
-            self.state.wake_leases()
-        states = {kind: limit_state(lease, limit) for kind, limit, _, lease in parts}
-        return Verdict(
-            allowed=allowed,
-            retry_after_s=wait,
-            requests=states.get("requests"),
-            tokens=states.get("tokens"),
-            too_large=too_large,
-        )
-
-    def due(self, now: float) -> list[LeaseAsk]:
-        cfg = self.limits()
-        limits = {"requests": cfg.requests_per_min, "tokens": cfg.tokens_per_min}
-        asks = []
-        for (kind, key), lease in self.leases.items():
-            limit = limits[kind]
-            if limit is None:
-                continue
-            batch = batch_size(limit)
-            if needs_lease(lease, batch, now):
-                asks.append(LeaseAsk(kind, key, limit, lease_amount(lease, batch)))
-        return asks
-
-    def settle(self, asks: list[LeaseAsk], results: list[tuple[float, float]], now: float) -> None:
-        for ask, (granted, left) in zip(asks, results, strict=True):
-            lease = self.leases.get((ask.kind, ask.key))
-            if lease is not None:
-                settle(lease, ask.amount, granted, left, now, ask.limit / 60.0)
-
-
-def _retry_after(lease: Lease, cost: float, limit: int) -> float:
-    """Until the shared bucket should hold what this request lacks (a lease on its way when it
-    is not known to be empty)."""
-    if not lease.exhausted:
-        return LEASE_TICK_S
-    lacking = cost - lease.stock - max(lease.left or 0.0, 0.0)
-    return max(LEASE_TICK_S, lacking * 60.0 / limit)

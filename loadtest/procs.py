@@ -1,0 +1,156 @@
+"""Process plumbing for the benchmarks: ports, child processes, their CPU and memory, readiness.
+
+Every benchmark runs each part (simulators, fake upstreams, the gateway) as its own process,
+as in production, and must stop all of it afterwards, even when a run fails halfway. Each
+child gets its own session, so stopping its process group also stops whatever it started.
+Linux only: CPU and RSS come from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# What Popen accepts for a child's stderr: a file, subprocess.DEVNULL/STDOUT, or None (inherit).
+Stream = int | IO[Any] | None
+
+
+class ProcessExitedError(RuntimeError):
+    """A child process ended while we were waiting for it to become ready."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A loopback port free right now (another process may take it before the child binds)."""
+    with contextlib.closing(socket.socket()) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(
+    argv: list[str], *, log: Path | None = None, stderr: Stream = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session with no stdin.
+
+    With ``log``, stdout and stderr are appended to that file (read it when a run fails);
+    without, stdout is discarded and stderr goes to ``stderr`` (``None`` inherits ours).
+    """
+    if log is None:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL it if the child outlives ``grace_s``."""
+    # The group, not the pid: a leader that already exited may have left children behind.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def process(
+    argv: list[str],
+    *,
+    log: Path | None = None,
+    stderr: Stream = subprocess.DEVNULL,
+    grace_s: float = 10.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` (see :func:`spawn`) for the duration of the block, then :func:`stop` it."""
+    proc = spawn(argv, log=log, stderr=stderr)
+    try:
+        yield proc
+    finally:
+        stop(proc, grace_s)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far, from /proc/<pid>/stat."""
+    # The command name (field 2) may hold spaces; the fields after its closing ")" do not.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident set size in MiB, from /proc/<pid>/status (0 if not reported)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def wait_port(
+    port: int, timeout_s: float = 20.0, *, host: str = "127.0.0.1", connect_s: float = 0.2
+) -> None:
+    """Block until something accepts TCP connections on ``host:port``; TimeoutError if not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), connect_s):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not open after {timeout_s:g}s")
+
+
+def wait_http(url: str, timeout_s: float = 20.0) -> None:
+    """Block until ``GET url`` answers 200; TimeoutError if not.
+
+    Standard library only: a load generator on raw sockets need not pull in an HTTP client.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not answering 200 after {timeout_s:g}s")
+
+
+async def await_http(
+    http: httpx.AsyncClient,
+    url: str,
+    timeout_s: float = 30.0,
+    *,
+    interval_s: float = 0.05,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Wait until ``GET url`` answers 200; TimeoutError if not within ``timeout_s``.
+
+    With ``proc`` (the server's process), ProcessExitedError as soon as it exits, rather
+    than waiting out the deadline for a server that will never answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if (await http.get(url)).status_code == 200:
+                return
+        if proc is not None and proc.poll() is not None:
+            raise ProcessExitedError(f"{url}: its process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not answering 200 after {timeout_s:g}s")
+        await asyncio.sleep(interval_s)
