@@ -17,9 +17,11 @@ import contextlib
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
@@ -78,13 +80,32 @@ def make_client(policy: Policy) -> UpstreamClient:
     )
     timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=POOL_TIMEOUT_S)
     return UpstreamClient(
-        transport=AiohttpTransport(limits=limits),
+        transport=AiohttpTransport(limits=limits, client=_session_factory(limits)),
         timeout=timeout,
         limits=limits,
         # A proxy forwards what it is given: no redirects followed, no headers of its own.
         follow_redirects=False,
         headers={},
     )
+
+
+def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession]:
+    """The aiohttp session under the transport, made on first use (inside the event loop).
+
+    A proxy keeps no cookies: aiohttp's default jar would store a replica's ``Set-Cookie`` and
+    replay it on other clients' requests (and costs a lookup per request). The connector gets
+    the same explicit limits."""
+
+    def make() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=limits.max_connections or 0,
+            keepalive_timeout=limits.keepalive_expiry,
+        )
+        return aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False
+        )
+
+    return make
 
 
 class UpstreamClient(httpx.AsyncClient):

@@ -282,9 +282,11 @@ async def test_tcp_nodelay_is_set_on_both_sides() -> None:
                 and o.transport is not None
                 and o.transport.get_extra_info("peername")[1] == up.port
             ]
-            live = [s for s in downstream + upstream if s.fileno() != -1]
-            assert downstream and upstream
-            for sock in live:
+            # Only open sockets can be asked; require one of each, or the loop checks nothing.
+            live_down = [s for s in downstream if s.fileno() != -1]
+            live_up = [s for s in upstream if s.fileno() != -1]
+            assert live_down and live_up, (len(downstream), len(upstream))
+            for sock in live_down + live_up:
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
             writer.close()
 
@@ -347,3 +349,44 @@ async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_p
     # Unheld, the fake would have written the whole 100 MB in well under 5 s.
     assert up.stats.drain_waits > 0
     assert written < 60 * 1024 * 1024, f"upstream wrote {written / 2**20:.0f} MiB"
+
+
+async def test_a_replicas_cookie_is_relayed_but_never_replayed_to_other_requests() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    seen_cookies: list[str | None] = []
+
+    async def chat(request: Request) -> Response:
+        seen_cookies.append(request.headers.get("cookie"))
+        resp = JSONResponse({"choices": [{"message": {"content": "x"}}]})
+        resp.set_cookie("session", "client-a-secret")
+        return resp
+
+    async def health(request: Request) -> Response:
+        return Response()
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"data": [{"id": CHAT["model"]}]})
+
+    upstream = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", chat, methods=["POST"]),
+            Route("/health", health),
+            Route("/v1/models", models),
+        ]
+    )
+    from .servers import serve_app
+
+    async with serve_app(upstream) as up_url:
+        # A host name, as replicas have in compose: aiohttp's default jar ignores IP hosts.
+        by_name = up_url.replace("127.0.0.1", "localhost")
+        async with running_gateway(policy_for({"p": [by_name]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as a, httpx.AsyncClient(timeout=10) as b:
+                first = await a.post(url + "/v1/chat/completions", json=CHAT)
+                assert "client-a-secret" in first.headers.get("set-cookie", "")
+                await b.post(url + "/v1/chat/completions", json=CHAT)
+    assert len(seen_cookies) >= 2 and all(c is None for c in seen_cookies), seen_cookies
