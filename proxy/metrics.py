@@ -208,6 +208,8 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        for result in ("ok", "invalid"):  # both series exist from the start, at 0
+            self.reloads.labels(result)
 
     def series(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path records a handful of series

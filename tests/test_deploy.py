@@ -10,6 +10,7 @@ skipping them: CI installs them (scripts/system-deps.sh and the ``dev`` extras).
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import json
 import os
@@ -26,12 +27,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import Policy, load_policy
-from proxy.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -298,15 +296,17 @@ def seconds(duration: str) -> float:
 
 @pytest.fixture(scope="module")
 def gateway_scrape() -> str:
-    """The gateway's /metrics text. For now: every metric of ``proxy.metrics.Metrics`` with one
-    child per labelled metric (a labelled metric shows no series until first used). Switch this
-    one function to a scrape of a running gateway after traffic once the app emits them all."""
-    metrics = Metrics()
-    for metric in vars(metrics).values():
-        labelnames = getattr(metric, "_labelnames", ())
-        if isinstance(metric, MetricWrapperBase) and labelnames:
-            metric.labels(*["x"] * len(labelnames))
-    return generate_latest(metrics.registry).decode()
+    """The gateway's /metrics after real traffic through every lane, a retry, a spill, a
+    rejection and an operator ejection (the scrape ``tests/test_metrics.py`` checks against
+    DESIGN 4.4)."""
+    from .test_metrics import scrape_after_traffic
+
+    async def first_scrape() -> str:
+        async for text in scrape_after_traffic():
+            return text
+        raise AssertionError("no scrape")
+
+    return asyncio.run(first_scrape())
 
 
 @pytest.fixture(scope="module")
