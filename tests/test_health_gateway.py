@@ -174,10 +174,12 @@ async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(
         dead = replica_of(app, sims[0])
         async with load(url, workers=6) as sent:
             await asyncio.sleep(0.5)
+            set_at = time.monotonic()
             await sims[0].set_fault({**fault, "duration_s": 1.5})
             await until_state(dead, ReplicaState.EJECTED, 5)
             assert dead.reason in (EjectReason.HEALTH_CHECK, EjectReason.CONSECUTIVE_FAILURES)
-            await until_state(dead, ReplicaState.HEALTHY, 8)
+            back_at = await until_state(dead, ReplicaState.HEALTHY, 8)
+    assert back_at >= set_at + 1.5  # readmitted only once the fault lifted
     failed = [s.result for s in sent if s.result.outcome != OK]
     # Connects refused are retried; only streams cut mid-way by the crash may fail.
     assert all(r.content_chunks > 0 for r in failed), [r.error for r in failed][:3]

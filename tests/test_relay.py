@@ -390,3 +390,75 @@ async def test_a_replicas_cookie_is_relayed_but_never_replayed_to_other_requests
                 assert "client-a-secret" in first.headers.get("set-cookie", "")
                 await b.post(url + "/v1/chat/completions", json=CHAT)
     assert len(seen_cookies) >= 2 and all(c is None for c in seen_cookies), seen_cookies
+
+
+class _GzipUpstream(FakeUpstream):
+    """A replica (or the proxy in front of it) that compresses its plain responses."""
+
+    async def _respond(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes, w: asyncio.StreamWriter
+    ) -> None:
+        if path != "/v1/chat/completions":
+            return await super()._respond(method, path, headers, raw, w)
+        import gzip
+
+        from loadtest.fake_upstream import _plain
+
+        payload = gzip.compress(_plain(8))
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+
+
+async def test_a_compressed_plain_response_reaches_the_client_unchanged() -> None:
+    up = _GzipUpstream()
+    await up.start()
+    try:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                resp = await client.post(url + "/v1/chat/completions", json=CHAT)
+    finally:
+        await up.stop()
+    # The body keeps the encoding its headers announce: the client (httpx) decodes it.
+    assert resp.status_code == 200
+    assert resp.headers["content-encoding"] == "gzip"
+    assert resp.json()["choices"][0]["message"]["content"].startswith("tok0")
+
+
+class _SilentHeadersUpstream(FakeUpstream):
+    """A replica that takes client requests but sends not even a status line for a while."""
+
+    headers_delay_s = 0.0
+
+    async def _respond(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes, w: asyncio.StreamWriter
+    ) -> None:
+        if path == "/v1/chat/completions" and "x-tokenlane-canary" not in headers:
+            await asyncio.sleep(self.headers_delay_s)
+        await super()._respond(method, path, headers, raw, w)
+
+
+async def test_first_token_timeout_counts_from_the_attempt_not_from_the_status_line() -> None:
+    slow = _SilentHeadersUpstream(tokens=3)
+    await slow.start()
+    try:
+        async with running(tokens=3) as fast:
+            policy = policy_for(
+                {"p": [slow.url, fast.url]},
+                lanes=[{"name": "all", "pool": "p", "first_token_timeout_s": 0.3}],
+                health={"interval_s": 60},
+            )
+            async with running_gateway(policy) as (url, _):
+                slow.headers_delay_s = 5.0
+                async with httpx.AsyncClient(timeout=10) as client:
+                    for _ in range(2):  # round robin: one of them tries the slow one first
+                        started = time.monotonic()
+                        r = await client.post(
+                            url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                        )
+                        assert r.status_code == 200
+                        assert r.headers["x-tokenlane-replica"] == f"127.0.0.1:{fast.port}"
+                        assert time.monotonic() - started < 3.0
+    finally:
+        await slow.stop()
