@@ -10,7 +10,8 @@ keep-alive, vLLM's chunk format (``tests/fixtures/vllm_chat_stream.txt``). Two m
 
 It records what it received (headers, bodies) and every connection that closed mid-response.
 Faults for relay tests: ``fail_status`` (answer every request with that status),
-``first_token_delay_s`` (send the role chunk, then wait), ``cut_after`` (close the connection
+``first_token_delay_s`` (send the role chunk, then wait), ``garbage`` (answer with something
+that is not HTTP), ``cut_after`` (close the connection
 after that many content chunks). A request may set its own pacing with the extra body fields
 ``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown fields unchanged).
 """
@@ -36,6 +37,7 @@ class FakeStats:
     drain_waits: int = 0  # writes held back by a slow reader (backpressure)
     bytes_written: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)  # request targets, query included
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected_at: list[float] = field(default_factory=list)
 
@@ -129,6 +131,7 @@ class FakeUpstream:
         self.record = record
         self.stats = FakeStats()
         self.fail_status: int | None = None
+        self.garbage = False  # answer generation requests with something that is not HTTP
         self.first_token_delay_s = 0.0
         self.cut_after: int | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -207,8 +210,13 @@ class FakeUpstream:
         self.stats.requests += 1
         body: dict[str, Any] = json.loads(raw) if raw else {}
         if self.record:
+            self.stats.targets.append(path)
             self.stats.bodies.append(body)
             self.stats.headers.append(headers)
+        if self.garbage:
+            w.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+            w.transport.close()
+            return
         if self.fail_status is not None:
             payload = json.dumps(
                 {

@@ -255,6 +255,8 @@ class Gateway:
                 m.series(m.prompt_tokens_reported, pool).inc(reported)
                 self.estimator.observe(profile, reported)
         completion = usage.get("completion_tokens") if usage else None
+        if not access_log.isEnabledFor(logging.INFO):
+            return
         record = {
             "ts": round(time.time(), 3),
             "request_id": call.request_id,
@@ -276,7 +278,7 @@ class Gateway:
             "error": call.error,
             "client_disconnected": call.disconnected or None,
         }
-        access_log.info(json.dumps(record, separators=(",", ":")))
+        access_log.info(json.dumps(record, separators=(",", ":")))  # the one line per request
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -285,6 +287,11 @@ class Gateway:
 class ShuttingDown(Rejected):
     """A request that arrived after SIGTERM: not a rejection by admission, so not counted as
     one; the client should go to another instance."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was whole: nobody to answer, nothing to
+    log as a server error (a CancelledError out of the app would be, by uvicorn)."""
 
 
 async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
@@ -296,7 +303,7 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("client disconnected while sending the body")
+            raise ClientGone("client disconnected while sending the body")
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)
@@ -383,9 +390,12 @@ class RelayEndpoint:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
             key = gw.guard.authenticate(scope["headers"]) if gw.guard.enabled else None
+            raw = await read_body(receive, gw.policy.server.max_body_bytes, content_length)
+            # Taken after the body's awaits: a lane from a policy reloaded meanwhile would put
+            # its old limits back into admission.
             policy = gw.policy
-            raw = await read_body(receive, policy.server.max_body_bytes, content_length)
             call = self._make_call(policy, raw, headers, request_id, received_at)
+            call.query = scope.get("query_string", b"")
             if key is not None:
                 gw.guard.charge(key, call, policy.estimate.chars_per_token)
             call.task = asyncio.current_task()
@@ -400,6 +410,8 @@ class RelayEndpoint:
                 call.error = err.message
             if call is None or not call.started:
                 await send_error(send, err, request_id)
+        except ClientGone:
+            pass
         except asyncio.CancelledError:
             if call is not None and call.disconnected:
                 call.status = 499  # nginx's "client closed request", for logs and metrics

@@ -283,6 +283,9 @@ def relation_problems(policy: Policy) -> list[str]:
             urls.add(replica.url)
     if policy.health.eject_max_s < policy.health.eject_base_s:
         problems.append("health.eject_max_s: below health.eject_base_s")
+    if policy.redis.ttl_s <= policy.redis.heartbeat_s:
+        # The load key would expire before its next rewrite: a live instance would flicker.
+        problems.append("redis.ttl_s: must be above redis.heartbeat_s")
     return problems
 
 

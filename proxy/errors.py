@@ -7,7 +7,8 @@
     ├── MethodNotAllowed (405)
     ├── PayloadTooLarge (413)       body over server.max_body_bytes
     ├── Rejected (429 / 503)        admission said no; carries Retry-After and a metric reason
-    └── UpstreamFailed (502)        every attempt failed before anything reached the client
+    ├── UpstreamFailed (502)        every attempt failed before anything reached the client
+    └── UpstreamBusy (503)          every replica tried answered 429 / 503
 
 Raised where the fault is found, rendered to HTTP only in ``app.py``. Bodies use OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, as vLLM does since 2025-08.
@@ -83,6 +84,13 @@ class Rejected(GatewayError):
 class UpstreamFailed(GatewayError):
     status = 502
     type = "BadGatewayError"
+
+
+class UpstreamBusy(GatewayError):
+    """Every replica tried answered 429 / 503: come back later (with ``Retry-After``)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
 
 
 def error_body(

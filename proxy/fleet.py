@@ -322,7 +322,10 @@ class Fleet:
                     self.publish_state(replica)
                 else:
                     replica.config = rcfg
-                    replica.name = rcfg.label
+                    if replica.name != rcfg.label:  # renamed: its series move to the new name
+                        self.forget(replica)
+                        replica.name = rcfg.label
+                        self.publish_state(replica)
                     replica.api_key = (
                         self.environ.get(rcfg.api_key_env) if rcfg.api_key_env else None
                     )
@@ -340,6 +343,7 @@ class Fleet:
         leaving = []
         for replica in old.values():  # no longer in the policy
             if replica.in_flight == 0:
+                self.forget(replica)
                 continue
             if replica.state is not ReplicaState.DRAINING:
                 self._move(
@@ -347,8 +351,14 @@ class Fleet:
                     shared=False,
                 )  # fmt: skip
             leaving.append(replica)
+        gone_pools = set(self.pools) - set(pools)
         self.pools = pools
         self.leaving = leaving
+        for name in pools:  # a held-back ejection may have left with its replica
+            self._update_panic(name)
+        if self.metrics is not None:
+            for name in gone_pools:
+                self.metrics.panic.remove(name)
         return before != {(r.pool, r.url) for r in self.replicas()}
 
     # -- the request path reports here (hot path: counters only) ----------------------------
@@ -364,6 +374,7 @@ class Fleet:
             replica.in_flight -= 1
         if self.leaving and replica.in_flight == 0 and replica in self.leaving:
             self.leaving.remove(replica)  # drained after leaving the policy
+            self.forget(replica)
         if failure is None:
             replica.failures_in_row = 0
             replica.silent_in_row = 0
@@ -527,8 +538,7 @@ class Fleet:
             self._readmitted(replica, now, detail, shared=False)
         else:
             replica.ejected_until = 0.0
-            if state is ReplicaState.DRAINING:
-                self._uncap(replica)
+            self._uncap(replica)  # held back only while healthy: out of service, it is moot
             self._move(replica, state, reason, now, detail, shared=False)
 
     # -- transitions -----------------------------------------------------------------------
@@ -588,6 +598,7 @@ class Fleet:
         replica.healthy_since = now
         replica.level_since = now
         replica.weight = detect.slow_start_weight(0.0, self.health.slow_start_s)
+        self._uncap(replica)  # it just proved itself: failures from before count no more
         self._move(replica, ReplicaState.HEALTHY, None, now, detail, shared=shared)
 
     def _rescue(self, replica: Replica, now: float) -> None:
@@ -645,3 +656,8 @@ class Fleet:
     def publish_state(self, replica: Replica) -> None:
         if self.metrics is not None:
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
+
+    def forget(self, replica: Replica) -> None:
+        """The replica left the fleet: its gauges go with it."""
+        if self.metrics is not None:
+            self.metrics.forget_replica(replica.pool, replica.name)

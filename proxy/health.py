@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import aiohttp
 import httpx
 
 from .config import Policy
@@ -35,7 +36,9 @@ log = logging.getLogger("tokenlane.health")
 
 MODELS_EVERY = 10  # /v1/models changes rarely: poll it every 10th round, and until known
 # What a probe may raise when a replica is down, slow or talks nonsense; anything else is a bug.
-PROBE_ERRORS = (httpx.HTTPError, TimeoutError, OSError, ValueError)
+# The aiohttp transport maps only connection errors to httpx's: a response that is not HTTP
+# (a bad status line, broken headers) surfaces as aiohttp's own ClientResponseError.
+PROBE_ERRORS = (httpx.HTTPError, aiohttp.ClientError, TimeoutError, OSError, ValueError)
 # Marks canaries in the replica's access log, so nobody mistakes them for client traffic.
 CANARY_HEADERS = {"x-tokenlane-canary": "1"}
 # prometheus_client answers OpenMetrics (with escaped names) only when asked; ask for text.
@@ -108,6 +111,10 @@ class HealthMonitor:
             event = self._first_round.get(replica)
             if event is not None:
                 event.set()
+            if not any(r is replica for r in self.fleet.replicas()):
+                # Removed by a reload and since drained: nobody calls replicas_changed() for
+                # that, so the loop ends itself (its finished task is dropped at the next call).
+                return
             rounds += 1
             next_at += self.policy().health.interval_s
             now = loop.time()

@@ -233,3 +233,11 @@ class Metrics:
     def set_replica_state(self, pool: str, replica: str, state: str) -> None:
         for s in REPLICA_STATES:
             self.replica_state.labels(pool, replica, s).set(1 if s == state else 0)
+
+    def forget_replica(self, pool: str, replica: str) -> None:
+        """Drop a replica's gauges once it left the fleet (or was renamed): a gauge left behind
+        would show a replica that no longer exists as healthy (or ejected) forever. Counters
+        stay: they are history, and rate() over them ends by itself."""
+        for s in REPLICA_STATES:
+            self.replica_state.remove(pool, replica, s)
+        self.replica_in_flight.remove(pool, replica)

@@ -27,7 +27,7 @@ from httpx_aiohttp import AiohttpTransport
 
 from . import balance, sse
 from .classify import affinity_key
-from .errors import Rejected, UpstreamFailed
+from .errors import Rejected, UpstreamBusy, UpstreamFailed
 from .fleet import Replica
 
 if TYPE_CHECKING:
@@ -61,11 +61,14 @@ POOL_TIMEOUT_S = 5.0
 class RetryableFailure(Exception):
     """An attempt failed before anything reached the client; another replica may take it."""
 
-    def __init__(self, reason: str, failure: str | None, detail: str) -> None:
+    def __init__(
+        self, reason: str, failure: str | None, detail: str, *, overloaded: bool = False
+    ) -> None:
         super().__init__(detail)
         self.reason = reason  # tokenlane_retries_total reason
         self.failure = failure  # what the fleet is told (None: not the replica's fault)
         self.detail = detail
+        self.overloaded = overloaded  # the replica said 429 / 503: busy, not broken
 
 
 def make_client(policy: Policy) -> UpstreamClient:
@@ -131,6 +134,7 @@ class Call:
     profile: Profile | None
     wants_usage: bool
     received_at: float
+    query: bytes = b""
     task: asyncio.Task[Any] | None = None
     # outcome
     pool: str | None = None
@@ -154,7 +158,14 @@ class Attempt:
     """One upstream attempt as the fleet sees it (``fleet.StreamWatch``): a health verdict on
     its replica can end it through ``interrupt``."""
 
-    __slots__ = ("content_sent", "interrupted", "last_progress", "replica", "task")
+    __slots__ = (
+        "content_sent",
+        "first_token_by",
+        "interrupted",
+        "last_progress",
+        "replica",
+        "task",
+    )
 
     def __init__(self, replica: Replica, task: asyncio.Task[Any] | None) -> None:
         self.replica = replica
@@ -162,6 +173,7 @@ class Attempt:
         self.last_progress = time.monotonic()
         self.content_sent = False
         self.interrupted: str | None = None
+        self.first_token_by: float | None = None  # loop time; streams only
 
     def interrupt(self, reason: str) -> None:
         if self.interrupted is None and self.task is not None:
@@ -192,9 +204,10 @@ class Relay:
         fleet = self.gw.fleet
         has_room = self.gw.admission.has_room  # counts slots handed to queued requests
         for pool_name in (lane.pool, lane.spill_to):
-            if pool_name is None:
+            # A request keeps the lane it started with; a reload may have removed its pool.
+            pool = fleet.pools.get(pool_name) if pool_name is not None else None
+            if pool is None:
                 continue
-            pool = fleet.pools[pool_name]
             cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
             if not cands:
                 continue
@@ -221,7 +234,10 @@ class Relay:
     def any_serving(self, call: Call) -> bool:
         fleet = self.gw.fleet
         lane = call.lane
-        return any(fleet.pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p)
+        pools = fleet.pools
+        return any(
+            pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p in pools
+        )
 
     def _retry_allowed(self) -> bool:
         budget = max(3.0, self.gw.policy.retry.budget_ratio * self.requests_in_flight)
@@ -243,6 +259,7 @@ class Relay:
         self.requests_in_flight += 1
         try:
             last: RetryableFailure | None = None
+            all_overloaded = True
             attempts = 0
             while True:
                 attempts += 1
@@ -254,6 +271,7 @@ class Relay:
                     return
                 except RetryableFailure as failure:
                     last = failure
+                    all_overloaded = all_overloaded and failure.overloaded
                     call.tried.add(replica)
                 finally:
                     if is_retry:
@@ -272,6 +290,13 @@ class Relay:
                 self.gw.metrics.retries.labels(call.lane.name, last.reason).inc()
             assert last is not None
             call.error = last.detail
+            if all_overloaded:
+                # Every replica tried said it was busy: that is a 503 to come back later, not
+                # a broken gateway.
+                raise UpstreamBusy(
+                    f"every replica tried is overloaded ({attempts} attempt(s)): {last.detail}",
+                    headers={"retry-after": "1"},
+                )
             raise UpstreamFailed(
                 f"no replica could serve the request after {attempts} attempt(s): {last.detail}"
             )
@@ -311,9 +336,12 @@ class Relay:
         failure: str | None = None
         response: httpx.Response | None = None
         try:
-            url = self._urls.get((replica.url, call.path))
-            if url is None:
-                url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
+            if call.query:
+                url = httpx.URL(replica.url + call.path + "?" + call.query.decode("latin-1"))
+            else:
+                url = self._urls.get((replica.url, call.path))
+                if url is None:
+                    url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
             request = self.client.build_request(
                 "POST",
                 url,
@@ -324,11 +352,26 @@ class Relay:
             m = self.gw.metrics
             m.series(m.overhead, call.lane.name).observe(now() - call.received_at)
             try:
-                response = await self.transport.handle_async_request(request)
-            except httpx.TransportError as exc:  # refused, unreachable, connect timeout
+                if call.stream:
+                    # The first-token watchdog runs from the attempt's start: a replica that
+                    # withholds even its status line is as silent as one withholding its token.
+                    attempt.first_token_by = (
+                        asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
+                    )
+                    async with asyncio.timeout_at(attempt.first_token_by):
+                        response = await self.transport.handle_async_request(request)
+                else:
+                    response = await self.transport.handle_async_request(request)
+            # Refused, unreachable, connect timeout; or an answer that is not HTTP, which the
+            # aiohttp transport leaves as aiohttp's own error.
+            except (httpx.TransportError, aiohttp.ClientError) as exc:
                 failure = "connect"
                 detail = f"connect to {replica.name}: {_why(exc)}"
                 raise RetryableFailure("connect", failure, detail) from None
+            except TimeoutError:
+                failure = "first_token_timeout"
+                detail = f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s"
+                raise RetryableFailure("first_token_timeout", failure, detail) from None
             await self._relay_response(call, attempt, response, send)
             if call.status >= 500:
                 failure = "upstream_5xx"
@@ -361,7 +404,7 @@ class Relay:
                 send,
                 f"replica {replica.name} sent nothing for {call.lane.stream_idle_timeout_s:g}s",
             )
-        except httpx.TransportError as exc:
+        except (httpx.TransportError, aiohttp.ClientError) as exc:
             failure = "reset"
             if not call.started:
                 raise RetryableFailure(
@@ -389,7 +432,7 @@ class Relay:
             # (ejecting replicas for being busy would only push their load onto the rest).
             failure = None if status == 429 else "upstream_5xx"
             detail = f"{name} answered {status} (overloaded)"
-            raise RetryableFailure("upstream_5xx", failure, detail)
+            raise RetryableFailure("upstream_5xx", failure, detail, overloaded=True)
         if status in (500, 502, 504):
             if self.gw.policy.retry.on_5xx_after_send and not call.retried_5xx:
                 call.retried_5xx = True
@@ -417,7 +460,9 @@ class Relay:
         self, call: Call, attempt: Attempt, response: httpx.Response, send: Send
     ) -> None:
         """A plain response (or an error status): read it whole, then send it unchanged."""
-        body = await response.aread()
+        # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
+        # the headers still announce (with the compressed Content-Length).
+        body = b"".join([part async for part in response.aiter_raw()])
         attempt.last_progress = time.monotonic()
         call.status = response.status_code
         if call.status == 200 and call.kind != "other":
@@ -440,7 +485,7 @@ class Relay:
         ended = False
         # Hold everything until the first chunk with content (or the end of the stream).
         try:
-            async with asyncio.timeout(lane.first_token_timeout_s):
+            async with asyncio.timeout_at(attempt.first_token_by):
                 async for chunk in chunks:
                     attempt.last_progress = time.monotonic()
                     held.append(chunk)

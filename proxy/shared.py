@@ -795,7 +795,7 @@ class FleetView:
 
     def in_flight(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for r in [*self.fleet.replicas(), *self.fleet.leaving]:
+        for r in self.fleet.replicas():  # leaving (draining) replicas included, once
             if r.in_flight:
                 counts[r.url] = counts.get(r.url, 0) + r.in_flight
         return counts

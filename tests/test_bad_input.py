@@ -137,3 +137,24 @@ async def test_unknown_model_gets_vllms_404_body(gateway: tuple[str, FakeUpstrea
         r = await client.get(url + "/v1/models/gpt-4o")
         assert r.status_code == 404
     assert not [b for b in up.stats.bodies if b.get("model") == "gpt-4o"]
+
+
+async def test_a_client_leaving_mid_body_is_not_logged_as_a_server_error(
+    gateway: tuple[str, FakeUpstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = gateway
+    host, port = url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 1000\r\n\r\n{"messages": ['
+    )
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()
+    await asyncio.sleep(0.3)
+    # Leaving is the client's right: no "Exception in ASGI application" traceback.
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200

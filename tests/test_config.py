@@ -181,3 +181,10 @@ def test_check_command_reports_a_missing_file(tmp_path: Path) -> None:
     result = _check(tmp_path / "missing.yaml")
     assert result.returncode == 1
     assert "missing.yaml" in result.stderr
+
+
+def test_instance_keys_that_would_expire_between_heartbeats_are_refused() -> None:
+    # With ttl_s <= heartbeat_s a live instance's load key expires before its next rewrite:
+    # the others would see it die and come back every heartbeat, and prune it each time.
+    text = GOOD + "redis:\n  heartbeat_s: 10\n  ttl_s: 10\n"
+    assert problems(text) == ["redis.ttl_s: must be above redis.heartbeat_s"]

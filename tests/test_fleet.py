@@ -476,3 +476,70 @@ def test_failures_of_a_replica_reloaded_away_are_ignored() -> None:
     assert gone.state is ReplicaState.DRAINING  # failures after leaving eject nothing
     fleet.attempt_finished(gone, None)  # the request it held when the policy changed
     assert [r.url for r in fleet.replicas()] == ["http://r9:8000"]
+
+
+def reload_to(
+    fleet: Fleet, replicas: list[dict[str, Any]], health: dict[str, Any] | None = None
+) -> None:
+    fleet.apply(
+        build_policy(
+            {
+                "pools": {"main": {"replicas": replicas}},
+                "lanes": [{"name": "all", "pool": "main"}],
+                "health": {"interval_s": 1.0, "stall_after_s": 10.0, **(health or {})},
+            }
+        )
+    )
+
+
+def test_state_series_of_a_removed_replica_vanish_once_it_has_drained() -> None:
+    fleet, clock, m = make()
+    idle, busy, kept = fleet.replicas()
+    for r in (idle, busy, kept):
+        admit(fleet, r, clock)
+    fleet.attempt_started(busy)
+    reload_to(fleet, [{"url": kept.url}])
+    # A dashboard must not count a replica the policy no longer has as healthy, forever.
+    assert set(state_gauge(m, idle).values()) == {None}
+    assert state_gauge(m, busy)["draining"] == 1  # still finishing its request
+    fleet.attempt_finished(busy, None)
+    assert set(state_gauge(m, busy).values()) == {None}
+    assert state_gauge(m, kept)["healthy"] == 1
+
+
+def test_renamed_replica_moves_its_state_series_to_the_new_name() -> None:
+    fleet, clock, m = make()
+    r0 = next(fleet.replicas())
+    admit(fleet, r0, clock)
+    old = {"pool": r0.pool, "replica": r0.name, "state": "healthy"}
+    reload_to(fleet, [{"url": URLS[0], "name": "fast-0"}, {"url": URLS[1]}, {"url": URLS[2]}])
+    assert r0.name == "fast-0" and state_gauge(m, r0)["healthy"] == 1
+    assert m.registry.get_sample_value("tokenlane_replica_state", old) is None
+
+
+def test_removing_the_capped_replica_ends_panic() -> None:
+    fleet, _, m, r = all_healthy({"max_ejected_percent": 34})
+    others = [x for x in fleet.replicas() if x is not r]
+    fail(fleet, others[0], 5)  # out: the cap (1 of 3) is used up
+    fail(fleet, others[1], 5)  # held back: panic
+    assert fleet.pools["main"].panic and panic(m) == 1
+    reload_to(fleet, [{"url": r.url}, {"url": others[0].url}], {"max_ejected_percent": 34})
+    assert not fleet.pools["main"].panic and panic(m) == 0
+
+
+def test_a_held_back_ejection_does_not_survive_a_remote_move_to_probing() -> None:
+    fleet, clock, m = make({"max_ejected_percent": 50})
+    r0, r1, r2 = fleet.replicas()
+    for r in (r0, r1, r2):
+        admit(fleet, r, clock)
+    fail(fleet, r0)
+    fail(fleet, r1)
+    assert r1.capped is EjectReason.CONSECUTIVE_FAILURES and panic(m) == 1
+    # Another gateway instance had it out and readmitted it to probing (its ejection record
+    # missed by pub/sub and superseded before the reconcile).
+    fleet.apply_remote(r1, P, EjectReason.OPERATOR, 0.0, 3, 0, "other")
+    assert r1.capped is None and panic(m) == 0
+    admit(fleet, r1, clock)  # its canary answers
+    clock.t += 1
+    fleet.tick(r1, clock.t)
+    assert r1.state is H  # not ejected for failures from before it proved itself

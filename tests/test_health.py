@@ -250,3 +250,84 @@ async def test_hang_accept_delays_no_other_replicas_probes() -> None:
         assert rb.state is rc.state is ReplicaState.HEALTHY
     # At interval 0.1 s, ~15 probes each in 1.5 s; a shared loop blocked by the hang gets ~1.
     assert all(a - b_ >= 8 for a, b_ in zip(after, before, strict=True)), (before, after)
+
+
+async def test_replica_answering_garbage_instead_of_http_is_ejected() -> None:
+    """A port that answers something other than HTTP (the replica died and another service took
+    its port) must fail the probes like any other broken replica, not end each round in an
+    unexpected exception that leaves the replica healthy and its stats fresh."""
+
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(4096)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    policy = build_policy(
+        {
+            "pools": {"p": {"replicas": [{"url": url}]}},
+            "lanes": [{"name": "all", "pool": "p"}],
+            "health": HEALTH,
+        }
+    )
+    metrics = Metrics()
+    fleet = Fleet(policy, {}, metrics=metrics)
+    (r,) = fleet.replicas()
+    r.models = {"m": {"id": "m"}}
+    fleet.observe_health(r, True, fleet.clock())
+    fleet.canary_result(r, True, fleet.clock())  # it was a good replica until now
+    fleet.observe_scrape(r, None, fleet.clock())
+    r.stats.stale = False
+    client = make_client(policy)
+    monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+    try:
+        for rounds in range(1, HEALTH["unhealthy_threshold"] + 1):
+            await monitor.probe_once(r, rounds)
+        assert r.stats.stale
+        assert (r.state, r.reason) == (ReplicaState.EJECTED, EjectReason.HEALTH_CHECK)
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_probes_stop_once_a_removed_replica_has_drained() -> None:
+    async with sims(2) as (kept, gone):
+        policy = build_policy(
+            {
+                "pools": {"p": {"replicas": [{"url": kept.url}, {"url": gone.url}]}},
+                "lanes": [{"name": "all", "pool": "p"}],
+                "health": HEALTH,
+            }
+        )
+        current = policy
+        metrics = Metrics()
+        fleet = Fleet(policy, {}, metrics=metrics)
+        client = make_client(policy)
+        monitor = HealthMonitor(fleet, lambda: current, client, metrics)
+        await monitor.start()
+        try:
+            _, rg = fleet.replicas()
+            fleet.attempt_started(rg)  # a request still running when the reload removes it
+            current = build_policy(
+                {
+                    "pools": {"p": {"replicas": [{"url": kept.url}]}},
+                    "lanes": [{"name": "all", "pool": "p"}],
+                    "health": HEALTH,
+                }
+            )
+            fleet.apply(current)  # it drains: still in the fleet, still probed
+            monitor.replicas_changed()
+            fleet.attempt_finished(rg, None)  # drained: it leaves the fleet
+            assert rg not in set(fleet.replicas())
+            await asyncio.sleep(0.3)  # a round in flight may still land
+            probes = gone.stats()["requests_by_path"].get("/health", 0)
+            await asyncio.sleep(0.6)  # six intervals
+            assert gone.stats()["requests_by_path"].get("/health", 0) == probes
+            assert kept.stats()["requests_by_path"].get("/health", 0) > 0
+        finally:
+            await monitor.stop()
+            await client.aclose()

@@ -462,3 +462,38 @@ async def test_first_token_timeout_counts_from_the_attempt_not_from_the_status_l
                         assert time.monotonic() - started < 3.0
     finally:
         await slow.stop()
+
+
+async def test_the_query_string_reaches_the_replica() -> None:
+    async with running(tokens=2) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(
+                    url + "/v1/chat/completions?api-version=2024-10-01", json=CHAT
+                )
+                assert r.status_code == 200
+    assert "/v1/chat/completions?api-version=2024-10-01" in up.stats.targets
+
+
+async def test_a_replica_answering_something_not_http_is_retried_not_a_500() -> None:
+    async with running(tokens=2) as odd, running(tokens=2) as good:
+        policy = policy_for({"p": [odd.url, good.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, _):
+            odd.garbage = True
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(4):
+                    r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-tokenlane-replica"] == good.url.removeprefix("http://")
+
+
+async def test_every_replica_overloaded_answers_503_with_retry_after_not_502() -> None:
+    async with running(tokens=2) as a, running(tokens=2) as b:
+        policy = policy_for({"p": [a.url, b.url]}, health={"interval_s": 60})
+        async with running_gateway(policy) as (url, _):
+            a.fail_status = b.fail_status = 503
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"

@@ -616,3 +616,14 @@ def test_fleet_view_reports_in_flight_and_takes_remote_load() -> None:
     assert r1.remote_in_flight == 4 and fleet.find(U2)[0].remote_in_flight == 0
     assert r1.load == 7  # stats never scraped: waiting 0
     assert [x.url for x in view.records()] == [U1, U2]
+
+
+def test_fleet_view_counts_a_leaving_replicas_in_flight_once() -> None:
+    fleet, view, _, _, _ = fleet_view(U1, U2)
+    r2 = fleet.find(U2)[0]
+    r2.in_flight = 2  # still busy when a reload removes it: it drains
+    policy = build_policy({"pools": {"p": {"replicas": [{"url": U1}]}},
+                           "lanes": [{"name": "all", "pool": "p"}]})  # fmt: skip
+    fleet.apply(policy)
+    assert r2 in fleet.leaving
+    assert view.in_flight() == {U2: 2}
