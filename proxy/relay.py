@@ -193,7 +193,7 @@ class Relay:
         self.rng = random.Random()
         self.requests_in_flight = 0
         self.retries_in_flight = 0
-        self._timeouts: dict[tuple[str, bool], httpx.Timeout] = {}
+        self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
 
     # -- picking ---------------------------------------------------------------------------
 
@@ -304,18 +304,17 @@ class Relay:
             self.requests_in_flight -= 1
             self.gw.admission.finished(call.lane)
 
-    def _timeout(self, lane: LaneConfig, stream: bool) -> httpx.Timeout:
-        # A stream's idle watchdog is the socket read timeout; a plain response arrives whole
-        # at the end of generation, so it has none (a stalled replica is ended by its ejection).
+    def _timeout(self, lane: LaneConfig, stream: bool) -> dict[str, float | None]:
+        """The request's timeout extension. A stream's idle watchdog is the socket read
+        timeout; a plain response arrives whole at the end of generation, so it has none (a
+        stalled replica is ended by its ejection)."""
+        read = lane.stream_idle_timeout_s if stream else None
         key = (lane.name, stream)
         t = self._timeouts.get(key)
-        if t is None or t.read != (lane.stream_idle_timeout_s if stream else None):
+        if t is None or t["read"] != read:
             t = httpx.Timeout(
-                connect=CONNECT_TIMEOUT_S,
-                read=lane.stream_idle_timeout_s if stream else None,
-                write=30.0,
-                pool=POOL_TIMEOUT_S,
-            )
+                connect=CONNECT_TIMEOUT_S, read=read, write=30.0, pool=POOL_TIMEOUT_S
+            ).as_dict()
             self._timeouts[key] = t
         return t
 
@@ -342,12 +341,14 @@ class Relay:
                 url = self._urls.get((replica.url, call.path))
                 if url is None:
                     url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
-            request = self.client.build_request(
+            # Built directly (as the client would, minus merging its empty defaults): half
+            # the cost of client.build_request() on every attempt.
+            request = httpx.Request(
                 "POST",
                 url,
                 content=call.body,
                 headers=self._upstream_headers(call, replica),
-                timeout=self._timeout(call.lane, call.stream),
+                extensions={"timeout": self._timeout(call.lane, call.stream)},
             )
             m = self.gw.metrics
             m.series(m.overhead, call.lane.name).observe(now() - call.received_at)
