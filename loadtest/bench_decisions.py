@@ -17,6 +17,7 @@ from proxy.balance import pick
 from proxy.classify import Estimator, match_lane, profile_request
 from proxy.config import Policy, ReplicaConfig, build_policy
 from proxy.fleet import Replica, ReplicaState
+from proxy.vllm import EngineSample
 
 REPEATS = 5
 
@@ -144,7 +145,7 @@ def replicas(n: int, rng: random.Random) -> list[Replica]:
         r = Replica(pool="bulk", config=cfg, name=cfg.label, url=cfg.url)
         r.state = ReplicaState.HEALTHY
         r.in_flight = rng.randrange(0, 32)
-        r.stats.waiting = float(rng.randrange(0, 4))
+        r.stats.sample = EngineSample(waiting=float(rng.randrange(0, 4)))
         r.stats.stale = False
         out.append(r)
     return out

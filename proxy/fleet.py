@@ -33,17 +33,17 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import detect
 from .config import HealthConfig, Policy, PoolConfig, ReplicaConfig
 from .detect import Progress
+from .vllm import EngineSample
 
 if TYPE_CHECKING:
     from .metrics import Metrics
-    from .vllm import EngineSample
 
 log = logging.getLogger("tokenlane.health")
 
@@ -95,17 +95,16 @@ class StreamWatch(Protocol):
 
 @dataclass(slots=True)
 class ScrapedStats:
-    """What the last ``/metrics`` scrape said. ``at`` is monotonic seconds; None = never."""
+    """The last good ``/metrics`` sample, when it was taken (monotonic seconds; None = never)
+    and whether the scrapes since have failed (stale)."""
 
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: float = 0.0
-    generation_tokens_total: float = 0.0
-    prefix_cache_queries_total: float = 0.0
-    prefix_cache_hits_total: float = 0.0
+    sample: EngineSample = field(default_factory=EngineSample)
     at: float | None = None
     stale: bool = True
+
+    @property
+    def waiting(self) -> float:
+        return self.sample.waiting
 
 
 @dataclass(eq=False, slots=True)
@@ -180,13 +179,7 @@ class Replica:
             "ejections": self.ejections,
             "models": sorted(self.models),
             "stats": {
-                "running": s.running,
-                "waiting": s.waiting,
-                "kv_cache_usage": s.kv_cache_usage,
-                "prompt_tokens_total": s.prompt_tokens_total,
-                "generation_tokens_total": s.generation_tokens_total,
-                "prefix_cache_queries_total": s.prefix_cache_queries_total,
-                "prefix_cache_hits_total": s.prefix_cache_hits_total,
+                **asdict(s.sample),
                 "stale": s.stale,
                 "scraped_at": s.at,
                 "requests_total": self.requests_total,
@@ -426,13 +419,7 @@ class Fleet:
         if sample is None:
             stats.stale = True
             return
-        stats.running = sample.running
-        stats.waiting = sample.waiting
-        stats.kv_cache_usage = sample.kv_cache_usage
-        stats.prompt_tokens_total = sample.prompt_tokens_total
-        stats.generation_tokens_total = sample.generation_tokens_total
-        stats.prefix_cache_queries_total = sample.prefix_cache_queries_total
-        stats.prefix_cache_hits_total = sample.prefix_cache_hits_total
+        stats.sample = sample
         stats.at = now
         stats.stale = False
         tokens = sample.prompt_tokens_total + sample.generation_tokens_total
