@@ -7,11 +7,15 @@ Without ``redis.url`` every instance keeps its own view (``LocalState``). With i
   written to one hash, a record per replica, by a Lua script that also publishes the record on a
   channel. The record, not the message, is the truth: pub/sub drops messages during any
   reconnect gap, so every instance also reads the whole hash every ``reconcile_s`` and applies
-  what is newer than what it has. Writes are ordered by ``updated_at``, stamped by the script
-  from the Redis server's clock (one clock for all writers, and it keeps counting across a Redis
-  restart). The script counts ejections (so the count, and with it the backoff, is shared) and
-  lets an ejection that already stands win over a second one of the same replica: two instances
-  that see the same stall at once make one ejection, not two.
+  what is newer than what it has. The newest *transition* wins, not the latest write: each
+  record carries ``changed_at``, the Unix time its instance made the transition, and the script
+  refuses a write whose transition is older than the stored one's (and answers with the stored
+  record, which the writer adopts). Otherwise an instance cut off from Redis would, on its
+  re-sync, write the transitions it made during the outage over newer ones made elsewhere.
+  ``updated_at``, stamped by the script from the Redis server's clock, orders what readers apply.
+  The script counts ejections (so the count, and with it the backoff, is shared) and lets an
+  ejection that already stands win over a second one of the same replica: two instances that
+  see the same stall at once make one ejection, not two.
 - **Load**: each instance writes its per-replica in-flight counts to its own hash, rewritten
   every ``heartbeat_s`` with a ``ttl_s`` expiry, so a crashed instance's counts vanish by
   themselves. A background loop sums the other live instances' hashes into a view that the
@@ -135,7 +139,9 @@ class ReplicaRecord:
     ``probing``, ``draining``, or an operator ejection that lasts until readmitted).
     ``ejections``: the total, counted by the merge script. ``level``: the backoff level behind
     the current ejection's length. ``updated_at``: Redis server time of the write, which orders
-    all writes; 0 until written. ``instance``: who wrote it.
+    what readers apply; 0 until written. ``instance``: who wrote it. ``changed_at``: Unix time
+    (ms precision) the writer made the transition, which decides between competing writes; 0
+    when unknown (records written before the field existed), which is the oldest.
     """
 
     pool: str
@@ -147,6 +153,7 @@ class ReplicaRecord:
     level: int = 0
     updated_at: float = 0.0
     instance: str = ""
+    changed_at: float = 0.0
 
     @property
     def field(self) -> str:
@@ -171,6 +178,7 @@ class ReplicaRecord:
                 level=int(data.get("level") or 0),
                 updated_at=float(data.get("updated_at") or 0.0),
                 instance=str(data.get("instance") or ""),
+                changed_at=float(data.get("changed_at") or 0.0),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a replica record: {raw!r:.200}") from exc
@@ -270,21 +278,39 @@ def shared_state_for(
 # Write one replica record. ARGV: field, proposed record (JSON), mode, channel.
 # mode 'write': a transition; 'fill': only if Redis has no record (re-sync after data loss).
 # Returns the record that stands afterwards (the proposed one, or the one that won).
+# Which one wins: a standing ejection over a second ejection (counted once), unless the second
+# is an operator's and the first a detector's; otherwise the newer transition (``changed_at``;
+# missing = 0, the oldest; a tie goes to the later write). A refused write changes nothing.
 MERGE_RECORD = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local new = cjson.decode(ARGV[2])
+-- A writer whose clock runs ahead must not outrank every later transition for the skew's
+-- length: its transition counts as made now.
+local changed = tonumber(new.changed_at) or 0
+if changed * 1000 > now_ms then changed = now_ms / 1000 end
+new.changed_at = changed
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 local cur = nil
 if raw then cur = cjson.decode(raw) end
 local last_ms = 0
 if cur then
   if ARGV[3] == 'fill' then return raw end
+  local cur_changed = tonumber(cur.changed_at) or 0
+  local overrides = false
   if new.state == 'ejected' and cur.state == 'ejected' then
     local untl = cur['until']
-    local standing = untl == cjson.null or untl * 1000 > now_ms
-    local overrides = new.reason == 'operator' and cur.reason ~= 'operator'
-    if standing and not overrides then return raw end
+    if untl == cjson.null or untl * 1000 > now_ms then  -- the stored ejection stands
+      if new.reason ~= 'operator' or cur.reason == 'operator' then return raw end
+      overrides = true
+    end
+  end
+  if overrides then
+    -- taken whatever the times; the stored transition time never goes back, so a stale
+    -- write between the two cannot slip in after it
+    new.changed_at = math.max(changed, cur_changed)
+  elseif changed < cur_changed then
+    return raw
   end
   local n = tonumber(cur.ejections) or 0
   if new.state == 'ejected' then n = n + 1 end
@@ -405,8 +431,12 @@ class RedisState:
 
     def publish(self, record: ReplicaRecord) -> None:
         # The newest local transition per replica waits here until written; while Redis is
-        # down it stays, and the re-sync writes it.
-        self._pending[record.field] = replace(record, instance=self.instance, updated_at=0.0)
+        # down it stays, and the re-sync writes it (or adopts a newer one made elsewhere). A
+        # record without its transition time is taken as a transition made now.
+        changed_at = round(record.changed_at or time.time(), 3)
+        self._pending[record.field] = replace(
+            record, instance=self.instance, updated_at=0.0, changed_at=changed_at
+        )
         self._dirty.set()
 
     def remote_in_flight(self, url: str) -> int:
@@ -529,11 +559,16 @@ class RedisState:
                 log.warning("shared state: ignoring a stored record: %s", exc)
                 continue
             self._applied[key] = max(self._applied.get(key, 0.0), stored.updated_at)
-            if key not in self._pending and (
-                stored.instance != self.instance or stored.ejections != record.ejections
+            ours = (self.instance, record.state, record.reason, record.ejections)
+            if key not in self._pending and ours != (
+                stored.instance,
+                stored.state,
+                stored.reason,
+                stored.ejections,
             ):
-                # Another instance's ejection already stood (ours merged into it), or the
-                # shared count differs from ours: adopt what Redis holds.
+                # Ours was refused (a newer transition, or a standing ejection, won) or merged
+                # (the shared count differs from ours): adopt what Redis holds. After an
+                # outage this is how newer transitions made elsewhere beat our pending ones.
                 self._apply(stored, force=True)
 
     def _apply(self, record: ReplicaRecord, *, force: bool = False) -> None:
@@ -774,6 +809,8 @@ def record_of(replica: Replica, now: float) -> ReplicaRecord:
         until=until,
         ejections=replica.ejections,
         level=replica.backoff_level,
+        # when this instance made (or applied) the transition; never made: 0, the oldest
+        changed_at=round(replica.changed_at, 3) if replica.changed_at else 0.0,
     )
 
 

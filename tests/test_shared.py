@@ -91,12 +91,13 @@ async def instance(
     name: str,
     reconcile_s: float = 0.2,
     metrics: Metrics | None = None,
+    clock: Callable[[], float] = time.monotonic,
     **kw: float,
 ) -> AsyncIterator[tuple[RedisState, View]]:
     config = cfg(server.url, **kw)
     state = RedisState(
         server.url, lambda: config, instance=name, reconcile_s=reconcile_s, probe_s=0.2,
-        metrics=metrics,
+        metrics=metrics, clock=clock,
     )  # fmt: skip
     view = view or View()
     await state.start(view)
@@ -221,6 +222,81 @@ async def test_operator_ejection_overrides_a_standing_detector_ejection(
         a.publish(ejected(reason="operator", ejections=1))
         await eventually(lambda: vb.last(U1).reason == "operator", 2.0, "operator ejection")  # type: ignore[union-attr]
         assert vb.last(U1).until is None and vb.last(U1).ejections == 2  # type: ignore[union-attr]
+
+
+def stored_record(server: RedisServer, url: str = U1) -> ReplicaRecord:
+    return ReplicaRecord.from_json(server.value("HGET", "tokenlane:replicas", f"p {url}") or b"")
+
+
+def stored_by(server: RedisServer, url: str = U1) -> str | None:
+    """The instance that wrote the stored record; None before any."""
+    raw = server.value("HGET", "tokenlane:replicas", f"p {url}")
+    return None if raw is None else ReplicaRecord.from_json(raw).instance
+
+
+async def test_older_transition_arriving_later_is_refused_and_adopted(
+    redis_server: RedisServer,
+) -> None:
+    # The millisecond race: a readmits (t1), b operator-ejects (t2 = t1 + 1 ms), but b's write
+    # reaches Redis first.
+    t1 = round(time.time() - 0.01, 3)
+    t2 = round(t1 + 0.001, 3)
+    async with (
+        instance(redis_server, name="a") as (a, va),
+        instance(redis_server, name="b") as (b, vb),
+    ):
+        b.publish(ejected(reason="operator", ejections=1, changed_at=t2))
+        await eventually(lambda: va.last(U1) is not None, 2.0, "a sees b's ejection")
+        seen = len(va.applied)
+        a.publish(ReplicaRecord(pool="p", url=U1, state="healthy", ejections=1, changed_at=t1))
+        await eventually(lambda: len(va.applied) > seen, 2.0, "a adopts the stored record")
+        stored = stored_record(redis_server)
+        assert (stored.state, stored.reason, stored.instance) == ("ejected", "operator", "b")
+        assert stored.changed_at == t2 and stored.ejections == 1
+        assert va.last(U1) == stored
+        await asyncio.sleep(0.5)  # a reconcile or two: nothing else happens
+        assert stored_record(redis_server) == stored
+        assert vb.last(U1) is None  # b never saw a healthy record (nor its own, echoed)
+        # Not a blanket refusal: a later transition (t3 > t2) wins as it should.
+        a.publish(ReplicaRecord(pool="p", url=U1, state="healthy", ejections=1))
+        await eventually(lambda: vb.last(U1) is not None, 2.0, "b gets a's newer readmission")
+        assert vb.last(U1).state == "healthy" and stored_record(redis_server).instance == "a"  # type: ignore[union-attr]
+
+
+async def test_operator_ejection_overrides_a_newer_detector_ejection_keeping_its_time(
+    redis_server: RedisServer,
+) -> None:
+    t1 = round(time.time() - 0.01, 3)
+    t2, t3 = round(t1 + 0.002, 3), round(t1 + 0.001, 3)
+    async with (
+        instance(redis_server, name="a") as (a, _),
+        instance(redis_server, name="b") as (b, _),
+    ):
+        a.publish(ejected(reason="stall", ejections=1, changed_at=t2))
+        await eventually(lambda: stored_by(redis_server) == "a", 2.0, "a's")
+        b.publish(ejected(reason="operator", ejections=1, changed_at=t1))  # older, still wins
+        await eventually(lambda: stored_by(redis_server) == "b", 2.0, "b's")
+        stored = stored_record(redis_server)
+        assert stored.reason == "operator" and stored.changed_at == t2 and stored.ejections == 2
+        # The stored transition time did not go back: a stale write from between is refused.
+        a.publish(ReplicaRecord(pool="p", url=U1, state="probing", changed_at=t3))
+        await asyncio.sleep(0.3)
+        assert stored_record(redis_server) == stored
+
+
+async def test_record_without_transition_time_is_read_and_taken_as_oldest(
+    redis_server: RedisServer,
+) -> None:
+    legacy = ejected(reason="operator", ejections=2, instance="old", updated_at=time.time())
+    raw = legacy.to_json().replace(',"changed_at":0.0', "")
+    assert "changed_at" not in raw and ReplicaRecord.from_json(raw) == legacy
+    redis_server.command("HSET", "tokenlane:replicas", legacy.field, raw)
+    async with instance(redis_server, name="a") as (a, va):
+        assert va.last(U1) == legacy
+        a.publish(ReplicaRecord(pool="p", url=U1, state="probing", reason="operator"))
+        await eventually(lambda: stored_by(redis_server) == "a", 2.0, "a's write")
+        stored = stored_record(redis_server)
+        assert stored.state == "probing" and stored.changed_at > 0 and stored.ejections == 2
 
 
 async def test_new_instance_learns_existing_records_at_start(redis_server: RedisServer) -> None:
@@ -369,6 +445,42 @@ async def test_breaker_opens_when_redis_dies_and_state_resyncs_after_restart(
         await eventually(lambda: b.remote_in_flight(U1) == 2, 3.0, "load view back")
 
 
+async def test_stale_transition_made_during_an_outage_does_not_undo_a_newer_ejection(
+    redis_server: RedisServer,
+) -> None:
+    # a loses Redis; its breaker stays open as long as its own clock says no probe is due.
+    a_clock = Clock()
+    async with (
+        instance(redis_server, name="a", clock=a_clock) as (a, va),
+        instance(redis_server, name="b") as (b, vb),
+    ):
+        a.publish(ejected(reason="stall", ejections=1))
+        await eventually(lambda: vb.last(U1) is not None, 2.0, "b sees a's stall ejection")
+        redis_server.pause()
+        try:
+            with contextlib.suppress(Unavailable):
+                for _ in range(2):
+                    await a.sync()
+            await eventually(lambda: not a.up, 2.0, "a cut off")
+        finally:
+            redis_server.resume()
+        await eventually(lambda: b.up, 3.0, "b back on Redis (the pause may have reached it)")
+        # During a's outage: a's canary readmits the replica, then an operator ejects it on b.
+        a.publish(ReplicaRecord(pool="p", url=U1, state="healthy", ejections=1, level=1))
+        await asyncio.sleep(0.01)
+        b.publish(ejected(reason="operator", ejections=1))
+        await eventually(lambda: stored_record(redis_server).reason == "operator", 2.0, "b's")
+        assert not a.up
+        a_clock.t += 10  # a's probe is due: it re-syncs
+        await eventually(lambda: a.up, 3.0, "a re-syncs")
+        stored = stored_record(redis_server)
+        assert (stored.state, stored.reason, stored.instance) == ("ejected", "operator", "b")
+        assert va.last(U1) == stored  # a adopted b's ejection instead of overwriting it
+        await asyncio.sleep(0.5)  # reconciles on both: it stays that way
+        assert stored_record(redis_server) == stored and va.last(U1) == stored
+        assert all(r.state != "healthy" for r in vb.applied)  # b never readmitted it
+
+
 async def test_start_without_redis_runs_on_local_view(redis_server: RedisServer) -> None:
     redis_server.kill()
     metrics = Metrics()
@@ -449,7 +561,9 @@ async def test_limiter_falls_back_to_local_share_when_redis_is_down(
 
 
 def test_record_json_round_trip_keeps_every_field() -> None:
-    r = ReplicaRecord("p", U1, "ejected", "stall", 1763800000.5, 4, 2, 1763800000.123, "a")
+    r = ReplicaRecord(
+        "p", U1, "ejected", "stall", 1763800000.5, 4, 2, 1763800000.123, "a", 1763799999.987
+    )
     assert ReplicaRecord.from_json(r.to_json()) == r
     assert r.field == f"p {U1}"
 
