@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from . import validate
 from .admission import Admission
@@ -597,14 +597,35 @@ class GatewayApp:
             if handler is not None:
                 await handler(scope, receive, send)
                 return
+            # Everything else is answered here or by Starlette; it carries the request id
+            # too (kept from the client or made), as relayed answers do.
+            rid = None
+            for k, v in scope["headers"]:
+                if k == b"x-request-id":
+                    rid = v
+                    break
+            request_id = request_id_from(rid)
             guard = self.gateway.guard
             if guard.enabled and scope["path"].startswith("/v1/"):
                 try:
                     guard.authenticate(scope["headers"])
                 except GatewayError as err:
-                    await send_error(send, err)
+                    await send_error(send, err, request_id)
                     return
+            await self.starlette(scope, receive, _with_request_id(send, request_id))
+            return
         await self.starlette(scope, receive, send)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    header = (b"x-request-id", request_id.encode())
+
+    async def sender(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), header]}
+        await send(message)
+
+    return sender
 
 
 def create_app(

@@ -120,3 +120,14 @@ async def test_passthrough_endpoints_are_relayed_unchanged() -> None:
 
 def direct_status(resp: httpx.Response) -> int:
     return resp.status_code
+
+
+async def test_answers_the_gateway_makes_itself_carry_the_request_id() -> None:
+    async with run_sim(name="s") as sim:
+        async with running_gateway(policy_for({"p": [sim.url]})) as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+                for path in ("/v1/models", "/health", "/ready", "/nope"):
+                    kept = await client.get(path, headers={"x-request-id": "abc-123"})
+                    assert kept.headers["x-request-id"] == "abc-123", path
+                    made = await client.get(path)
+                    assert len(made.headers["x-request-id"]) >= 16, path
