@@ -16,7 +16,6 @@ Raised where the fault is found, rendered to HTTP only in ``app.py``. Bodies use
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -97,7 +96,3 @@ def error_body(
     message: str, type_: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_bytes(err: GatewayError) -> bytes:
-    return json.dumps(err.body()).encode()

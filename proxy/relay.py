@@ -144,7 +144,6 @@ class Call:
     ttft_s: float | None = None
     queue_wait_s: float = 0.0
     retries: int = 0
-    output_tokens: int | None = None
     content_chunks: int = 0
     usage: dict[str, Any] | None = None
     error: str | None = None
@@ -160,7 +159,6 @@ class Attempt:
 
     __slots__ = (
         "content_sent",
-        "first_token_by",
         "interrupted",
         "last_progress",
         "replica",
@@ -173,7 +171,6 @@ class Attempt:
         self.last_progress = time.monotonic()
         self.content_sent = False
         self.interrupted: str | None = None
-        self.first_token_by: float | None = None  # loop time; streams only
 
     def interrupt(self, reason: str) -> None:
         if self.interrupted is None and self.task is not None:
@@ -184,10 +181,9 @@ class Attempt:
 class Relay:
     def __init__(self, gateway: Gateway, client: UpstreamClient) -> None:
         self.gw = gateway
-        self.client = client
-        # Requests are built by the client (its timeouts, its URL handling) and handed to its
-        # transport directly: AsyncClient.send() adds redirects, auth, cookie extraction and
-        # event hooks, none of which a proxy uses, at ~15 % of the gateway's CPU per request.
+        # Requests go to the client's transport directly: AsyncClient.send() adds redirects,
+        # auth, cookie extraction and event hooks, none of which a proxy uses, at ~15 % of the
+        # gateway's CPU per request.
         self.transport = client.transport
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self.rng = random.Random()
@@ -352,28 +348,27 @@ class Relay:
             )
             m = self.gw.metrics
             m.series(m.overhead, call.lane.name).observe(now() - call.received_at)
+            # The first-token watchdog (streams only) runs from the attempt's start: a replica
+            # that withholds its status line is as silent as one withholding its first token.
+            # It is switched off just before anything is sent to the client.
+            deadline = None
+            if call.stream:
+                deadline = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
             try:
-                if call.stream:
-                    # The first-token watchdog runs from the attempt's start: a replica that
-                    # withholds even its status line is as silent as one withholding its token.
-                    attempt.first_token_by = (
-                        asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
-                    )
-                    async with asyncio.timeout_at(attempt.first_token_by):
+                async with asyncio.timeout_at(deadline) as watchdog:
+                    try:
                         response = await self.transport.handle_async_request(request)
-                else:
-                    response = await self.transport.handle_async_request(request)
-            # Refused, unreachable, connect timeout; or an answer that is not HTTP, which the
-            # aiohttp transport leaves as aiohttp's own error.
-            except (httpx.TransportError, aiohttp.ClientError) as exc:
-                failure = "connect"
-                detail = f"connect to {replica.name}: {_why(exc)}"
-                raise RetryableFailure("connect", failure, detail) from None
+                    # Refused, unreachable, connect timeout; or an answer that is not HTTP,
+                    # which the aiohttp transport leaves as aiohttp's own error.
+                    except (httpx.TransportError, aiohttp.ClientError) as exc:
+                        failure = "connect"
+                        detail = f"connect to {replica.name}: {_why(exc)}"
+                        raise RetryableFailure("connect", failure, detail) from None
+                    await self._relay_response(call, attempt, response, send, watchdog)
             except TimeoutError:
                 failure = "first_token_timeout"
                 detail = f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s"
                 raise RetryableFailure("first_token_timeout", failure, detail) from None
-            await self._relay_response(call, attempt, response, send)
             if call.status >= 500:
                 failure = "upstream_5xx"
         except asyncio.CancelledError:
@@ -423,7 +418,12 @@ class Relay:
                     await response.aclose()
 
     async def _relay_response(
-        self, call: Call, attempt: Attempt, response: httpx.Response, send: Send
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
     ) -> None:
         status = response.status_code
         name = attempt.replica.name
@@ -442,9 +442,9 @@ class Relay:
             attempt.last_progress = time.monotonic()
         ctype = response.headers.get("content-type", "")
         if call.stream and status == 200 and ctype.startswith("text/event-stream"):
-            await self._relay_stream(call, attempt, response, send)
+            await self._relay_stream(call, attempt, response, send, watchdog)
         else:
-            await self._relay_whole(call, attempt, response, send)
+            await self._relay_whole(call, attempt, response, send, watchdog)
 
     def _response_start(self, call: Call, response: httpx.Response, status: int) -> dict[str, Any]:
         # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
@@ -458,12 +458,18 @@ class Relay:
         return {"type": "http.response.start", "status": status, "headers": headers}
 
     async def _relay_whole(
-        self, call: Call, attempt: Attempt, response: httpx.Response, send: Send
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
     ) -> None:
         """A plain response (or an error status): read it whole, then send it unchanged."""
         # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
         # the headers still announce (with the compressed Content-Length).
         body = b"".join([part async for part in response.aiter_raw()])
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
         attempt.last_progress = time.monotonic()
         call.status = response.status_code
         if call.status == 200 and call.kind != "other":
@@ -476,7 +482,12 @@ class Relay:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_stream(
-        self, call: Call, attempt: Attempt, response: httpx.Response, send: Send
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
     ) -> None:
         lane = call.lane
         chunks = response.aiter_raw()
@@ -484,37 +495,31 @@ class Relay:
         events = sse.EventBuffer()
         found = False
         ended = False
-        # Hold everything until the first chunk with content (or the end of the stream).
-        try:
-            async with asyncio.timeout_at(attempt.first_token_by):
-                async for chunk in chunks:
-                    attempt.last_progress = time.monotonic()
-                    held.append(chunk)
-                    # Parse events only up to the first with content: after it nothing is
-                    # inspected (a burst of a whole stream in one read costs one parse).
-                    for event in events.feed(chunk):
-                        obj = sse.parse_event(event)
-                        if obj is sse.DONE:
-                            ended = True
-                            break
-                        if sse.is_error(obj):
-                            raise RetryableFailure(
-                                "upstream_5xx",
-                                "upstream_5xx",
-                                f"{attempt.replica.name} failed before the first token: "
-                                f"{_error_message(obj)}",
-                            )
-                        if sse.carries_content(obj):
-                            found = True
-                            break
-                    if found or ended:
-                        break
-        except TimeoutError:
-            raise RetryableFailure(
-                "first_token_timeout",
-                "first_token_timeout",
-                f"{attempt.replica.name} sent no token within {lane.first_token_timeout_s:g}s",
-            ) from None
+        # Hold everything until the first chunk with content (or the end of the stream), under
+        # the attempt's first-token watchdog.
+        async for chunk in chunks:
+            attempt.last_progress = time.monotonic()
+            held.append(chunk)
+            # Parse events only up to the first with content: after it nothing is inspected
+            # (a burst of a whole stream in one read costs one parse).
+            for event in events.feed(chunk):
+                obj = sse.parse_event(event)
+                if obj is sse.DONE:
+                    ended = True
+                    break
+                if sse.is_error(obj):
+                    raise RetryableFailure(
+                        "upstream_5xx",
+                        "upstream_5xx",
+                        f"{attempt.replica.name} failed before the first token: "
+                        f"{_error_message(obj)}",
+                    )
+                if sse.carries_content(obj):
+                    found = True
+                    break
+            if found or ended:
+                break
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
         metrics = self.gw.metrics
         call.status = 200
         call.started = True

@@ -44,10 +44,6 @@ class EventBuffer:
             # Also when the reader stops early: what it did not take stays pending.
             self._rest = data[start:]
 
-    @property
-    def pending(self) -> bytes:
-        return self._rest
-
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's ``data:`` lines (joined by newlines), or None for comments."""
