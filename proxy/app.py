@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -29,6 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from . import validate
 from .admission import Admission
+from .asgi_ext import CLIENT_GONE, START_WITH_BODY
 from .auth import ClientKeys, Guard
 from .classify import Estimator, match_lane, profile_request
 from .config import Policy, PolicyError, keep_restart_keys, load_policy, restart_changes
@@ -332,16 +334,21 @@ async def send_error(send: Send, err: GatewayError, request_id: str | None = Non
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def _client_gone(call: Call) -> None:
+    """The client left: cancel the request's task, which closes the upstream connection (vLLM
+    frees the KV blocks) and frees the replica's slot, or takes it out of its queue."""
+    if not call.finished and call.task is not None:
+        call.disconnected = True
+        call.task.cancel("client disconnected")
+
+
 async def _listen_for_disconnect(receive: Receive, call: Call) -> None:
-    # uvicorn's send() silently does nothing once the client is gone, so the only way to learn
-    # of it is receive(); on a disconnect the handler task is cancelled, which closes the
-    # upstream connection and frees the replica's slot.
+    # Under a server without the CLIENT_GONE extension: its send() silently does nothing once
+    # the client is gone, so the only way to learn of it is receive().
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not call.finished and call.task is not None:
-                call.disconnected = True
-                call.task.cancel("client disconnected")
+            _client_gone(call)
             return
 
 
@@ -367,6 +374,7 @@ class RelayEndpoint:
         request_id: str | None = None
         call: Call | None = None
         listener: asyncio.Task[None] | None = None
+        hook = None
         try:
             headers: list[tuple[bytes, bytes]] = []
             content_length = None
@@ -399,7 +407,13 @@ class RelayEndpoint:
             if key is not None:
                 gw.guard.charge(key, call, policy.estimate.chars_per_token)
             call.task = asyncio.current_task()
-            listener = asyncio.create_task(_listen_for_disconnect(receive, call))
+            ext = scope.get("extensions")
+            hook = ext.get(CLIENT_GONE) if ext is not None else None
+            if hook is not None:
+                call.start_with_body = START_WITH_BODY in ext
+                hook.callback = functools.partial(_client_gone, call)
+            else:
+                listener = asyncio.create_task(_listen_for_disconnect(receive, call))
             try:
                 await gw.relay.run(call, send)
             finally:
@@ -429,6 +443,8 @@ class RelayEndpoint:
             gw.active_requests -= 1
             if listener is not None:
                 listener.cancel()
+            if hook is not None:
+                hook.callback = None  # the connection outlives the request: keep no Call alive
             if call is not None:
                 gw.observe(call)
 

@@ -26,6 +26,7 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from . import balance, sse
+from .asgi_ext import START_BODY, START_MORE_BODY
 from .classify import affinity_key
 from .errors import Rejected, UpstreamBusy, UpstreamFailed
 from .fleet import Replica
@@ -136,6 +137,7 @@ class Call:
     received_at: float
     query: bytes = b""
     task: asyncio.Task[Any] | None = None
+    start_with_body: bool = False  # the server takes START_WITH_BODY
     # outcome
     pool: str | None = None
     replica: Replica | None = None
@@ -477,9 +479,10 @@ class Relay:
                 call.usage = sse.usage_of(json.loads(body))
         call.started = True
         attempt.content_sent = True
-        await send(self._response_start(call, response, call.status))
+        await self._send_start(
+            call, send, self._response_start(call, response, call.status), body, False
+        )
         call.ttft_s = now() - call.received_at
-        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_stream(
         self,
@@ -523,10 +526,12 @@ class Relay:
         metrics = self.gw.metrics
         call.status = 200
         call.started = True
-        await send(self._response_start(call, response, 200))
         attempt.content_sent = found
         body = b"".join(held)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        # A stream that ended within the held chunks (one burst) goes out whole.
+        await self._send_start(
+            call, send, self._response_start(call, response, 200), body, not ended
+        )
         t = now()
         if found:
             call.ttft_s = t - call.received_at
@@ -547,9 +552,23 @@ class Relay:
                 call.content_chunks += 1
                 if call.wants_usage:
                     tail = (tail + chunk)[-2048:]
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         if tail:
             call.usage = sse.last_usage(tail)
+
+    @staticmethod
+    async def _send_start(
+        call: Call, send: Send, start: dict[str, Any], body: bytes, more_body: bool
+    ) -> None:
+        """The response start and its first body: one message (one socket write) where the
+        server takes ``START_WITH_BODY``, else the usual two."""
+        if call.start_with_body:
+            start[START_BODY] = body
+            start[START_MORE_BODY] = more_body
+            await send(start)
+        else:
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": more_body})
 
     async def _end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
         call.error = message

@@ -12,12 +12,15 @@ import time
 from types import FrameType
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import ASGIApp, Message
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from .app import Gateway, configure_logging, create_app
+from .asgi_ext import CLIENT_GONE, START_BODY, START_MORE_BODY, START_WITH_BODY, ClientGoneHook
 from .config import Policy
 
 log = logging.getLogger("tokenlane")
+_NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
 
 
 def tune_gc() -> None:
@@ -27,10 +30,57 @@ def tune_gc() -> None:
     gc.set_threshold(max(gen0, 50_000), gen1, gen2)
 
 
+class _Capture:
+    """Stands in for the connection's transport while one message's writes are collected."""
+
+    __slots__ = ("closed", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class CoalescingCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle that also takes the ``START_WITH_BODY`` extension: a
+    response start carrying its first body, written to the socket in one write.
+
+    Under plain ASGI the status line and headers leave in one write and the first chunk in
+    another: two TCP segments, and on a busy host two wake-ups of the client before it sees
+    any content. Relayed responses always have their first chunk in hand when they start."""
+
+    async def send(self, message: Message) -> None:
+        body = message.get(START_BODY)
+        if body is None:
+            await super().send(message)
+            return
+        transport = self.transport
+        capture = _Capture()
+        self.transport = capture  # type: ignore[assignment]
+        try:
+            await super().send(message)
+            more = bool(message.get(START_MORE_BODY, False))
+            await super().send({"type": "http.response.body", "body": body, "more_body": more})
+        finally:
+            self.transport = transport
+        if capture.parts and not self.disconnected:
+            transport.write(b"".join(capture.parts))
+        if capture.closed:
+            transport.close()
+
+
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection: neither
+    """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection (neither
     asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
-    until the previous one is acknowledged."""
+    until the previous one is acknowledged), serving the ``START_WITH_BODY`` extension."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -38,6 +88,25 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
+
+    def on_headers_complete(self) -> None:
+        self.scope["extensions"] = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: ClientGoneHook()}
+        super().on_headers_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:
+        # Before the app's task exists (a pipelined request starts here later, too).
+        if type(cycle) is RequestResponseCycle:
+            cycle.__class__ = CoalescingCycle
+        super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            extensions = cycle.scope.get("extensions")
+            hook = extensions.get(CLIENT_GONE) if extensions else None
+            if isinstance(hook, ClientGoneHook):
+                hook.fire()
 
 
 def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.Config:
@@ -127,4 +196,11 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
     return 0
 
 
-__all__ = ["GatewayServer", "NoDelayHttpToolsProtocol", "serve", "tune_gc", "uvicorn_config"]
+__all__ = [
+    "CoalescingCycle",
+    "GatewayServer",
+    "NoDelayHttpToolsProtocol",
+    "serve",
+    "tune_gc",
+    "uvicorn_config",
+]

@@ -1,0 +1,37 @@
+"""ASGI extensions between the gateway's server (``serve``) and its relay.
+
+Both are advertised in ``scope["extensions"]`` by ``serve.NoDelayHttpToolsProtocol``; under any
+other ASGI server they are absent and the relay does what plain ASGI allows (two messages for
+a start and its first body; a task per request listening for the disconnect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# A response start may carry its first body (``START_BODY``, ``START_MORE_BODY``): both leave
+# in one socket write instead of two, one TCP segment before the client sees content.
+START_WITH_BODY = "tokenlane.start_with_body"
+START_BODY = "tokenlane.body"
+START_MORE_BODY = "tokenlane.more_body"
+
+# The server calls back when the client's connection is lost before the response is complete,
+# so a relay needs no task of its own waiting on ``receive()`` for ``http.disconnect``.
+CLIENT_GONE = "tokenlane.client_gone"
+
+
+class ClientGoneHook:
+    """One request's disconnect callback, set by the app and fired once by the server."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+__all__ = ["CLIENT_GONE", "START_BODY", "START_MORE_BODY", "START_WITH_BODY", "ClientGoneHook"]
