@@ -11,9 +11,11 @@ keep-alive, vLLM's chunk format (``tests/fixtures/vllm_chat_stream.txt``). Two m
 It records what it received (headers, bodies) and every connection that closed mid-response.
 Faults for relay tests: ``fail_status`` (answer every request with that status),
 ``first_token_delay_s`` (send the role chunk, then wait), ``garbage`` (answer with something
-that is not HTTP), ``cut_after`` (close the connection
-after that many content chunks). A request may set its own pacing with the extra body fields
-``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown fields unchanged).
+that is not HTTP), ``cut_after`` (close the connection after that many content chunks),
+``close_after_request`` (read the whole request, then close the connection without a word:
+``"close"`` with a FIN, ``"reset"`` with a RST). A request may set its own pacing with the
+extra body fields ``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown
+fields unchanged).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ class FakeStats:
     targets: list[str] = field(default_factory=list)  # request targets, query included
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected_at: list[float] = field(default_factory=list)
+    connections: int = 0  # accepted
 
 
 def _chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
@@ -134,6 +139,7 @@ class FakeUpstream:
         self.garbage = False  # answer generation requests with something that is not HTTP
         self.first_token_delay_s = 0.0
         self.cut_after: int | None = None
+        self.close_after_request: str | None = None  # "close" | "reset"
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -157,6 +163,7 @@ class FakeUpstream:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        self.stats.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -213,6 +220,13 @@ class FakeUpstream:
             self.stats.targets.append(path)
             self.stats.bodies.append(body)
             self.stats.headers.append(headers)
+        if self.close_after_request is not None:
+            if self.close_after_request == "reset":
+                # Linger 0: close() sends a RST instead of a FIN.
+                sock = w.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            w.transport.abort()
+            return
         if self.garbage:
             w.write(b"SSH-2.0-OpenSSH_9.2\r\n")
             w.transport.close()

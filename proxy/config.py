@@ -130,6 +130,9 @@ class RetryConfig(_Strict):
     max_attempts: int = Field(3, ge=1)
     budget_ratio: float = Field(0.2, ge=0)
     on_5xx_after_send: bool = False
+    # From the start of the first attempt (the queue has its own timeout): no attempt starts
+    # after it, and a stream's first-token watchdog fires at it at the latest.
+    deadline_s: float = Field(60.0, gt=0)
 
 
 class EstimateConfig(_Strict):

@@ -57,19 +57,32 @@ _DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
 
 CONNECT_TIMEOUT_S = 3.0
 POOL_TIMEOUT_S = 5.0
+# An idle pooled connection is dropped (on its next acquire) after this long. vLLM's uvicorn
+# closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a POST sent on
+# one it is closing meets a reset after the request was sent, which is not retried by default
+# (RELIABILITY 6). Staying below 5 s keeps that race off the common path.
+KEEPALIVE_EXPIRY_S = 4.0
 
 
 class RetryableFailure(Exception):
-    """An attempt failed before anything reached the client; another replica may take it."""
+    """An attempt failed before anything reached the client; another replica may take it,
+    unless ``retry`` is False (the request then fails with this failure)."""
 
     def __init__(
-        self, reason: str, failure: str | None, detail: str, *, overloaded: bool = False
+        self,
+        reason: str,
+        failure: str | None,
+        detail: str,
+        *,
+        overloaded: bool = False,
+        retry: bool = True,
     ) -> None:
         super().__init__(detail)
         self.reason = reason  # tokenlane_retries_total reason
         self.failure = failure  # what the fleet is told (None: not the replica's fault)
         self.detail = detail
         self.overloaded = overloaded  # the replica said 429 / 503: busy, not broken
+        self.retry = retry
 
 
 def make_client(policy: Policy) -> UpstreamClient:
@@ -80,7 +93,7 @@ def make_client(policy: Policy) -> UpstreamClient:
     limits = httpx.Limits(
         max_connections=max(256, total + 64),
         max_keepalive_connections=max(256, total + 64),
-        keepalive_expiry=30.0,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
     )
     timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=POOL_TIMEOUT_S)
     return UpstreamClient(
@@ -152,7 +165,7 @@ class Call:
     finished: bool = False
     disconnected: bool = False
     tried: set[Replica] = field(default_factory=set)
-    retried_5xx: bool = False
+    retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
 
 
 class Attempt:
@@ -255,6 +268,10 @@ class Relay:
         # reservation of this slot turns into the replica's in-flight count in one step.
         call.queue_wait_s = now() - queued_at
         self.requests_in_flight += 1
+        # One deadline for all attempts (DESIGN 5), from the first one's start: the queue wait
+        # has its own bound (queue_timeout_s).
+        loop_time = asyncio.get_running_loop().time
+        deadline = loop_time() + policy.retry.deadline_s
         try:
             last: RetryableFailure | None = None
             all_overloaded = True
@@ -265,7 +282,7 @@ class Relay:
                 if is_retry:
                     self.retries_in_flight += 1
                 try:
-                    await self._attempt(call, replica, send)
+                    await self._attempt(call, replica, send, deadline)
                     return
                 except RetryableFailure as failure:
                     last = failure
@@ -278,7 +295,12 @@ class Relay:
                 # bounded by what that replica held, and the budget is there to stop retry
                 # storms against replicas that fail, not to fail the requests of one that died.
                 rescue = last.reason == "replica_ejected"
-                if attempts >= policy.retry.max_attempts or not (rescue or self._retry_allowed()):
+                if (
+                    not last.retry
+                    or attempts >= policy.retry.max_attempts
+                    or loop_time() >= deadline
+                    or not (rescue or self._retry_allowed())
+                ):
                     break
                 nxt = self.try_pick(call)
                 if nxt is None:
@@ -323,7 +345,9 @@ class Relay:
             headers.append((b"authorization", b"Bearer " + replica.api_key.encode()))
         return headers
 
-    async def _attempt(self, call: Call, replica: Replica, send: Send) -> None:
+    async def _attempt(self, call: Call, replica: Replica, send: Send, deadline: float) -> None:
+        """One attempt on ``replica``. ``deadline`` (event loop time) is the request's: a
+        stream's first-token watchdog fires at it at the latest."""
         fleet = self.gw.fleet
         attempt = Attempt(replica, call.task)
         fleet.attempt_started(replica)
@@ -352,22 +376,43 @@ class Relay:
             m.series(m.overhead, call.lane.name).observe(now() - call.received_at)
             # The first-token watchdog (streams only) runs from the attempt's start: a replica
             # that withholds its status line is as silent as one withholding its first token.
-            # It is switched off just before anything is sent to the client.
-            deadline = None
+            # It fires at the request's deadline at the latest, and is switched off just
+            # before anything is sent to the client. A plain response arrives whole at the end
+            # of generation: its attempt is not cut (the deadline only stops further ones).
+            fire_at = None
             if call.stream:
-                deadline = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
+                fire_at = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
+                if fire_at > deadline:
+                    fire_at = deadline
             try:
-                async with asyncio.timeout_at(deadline) as watchdog:
+                async with asyncio.timeout_at(fire_at) as watchdog:
                     try:
                         response = await self.transport.handle_async_request(request)
-                    # Refused, unreachable, connect timeout; or an answer that is not HTTP,
-                    # which the aiohttp transport leaves as aiohttp's own error.
+                    except httpx.ReadTimeout:
+                        raise  # silent before the status line: the idle watchdog, below
                     except (httpx.TransportError, aiohttp.ClientError) as exc:
+                        if _reached_replica(exc):
+                            failure = "reset"
+                            detail = f"{replica.name} closed the connection: {_why(exc)}"
+                            raise self._after_send(call, failure, detail) from None
+                        # Refused, unreachable, connect timeout: the replica never saw the
+                        # request. An answer that is not HTTP (aiohttp's own error, unmapped
+                        # by the transport) comes from something that is no vLLM server (a
+                        # wrong port, another protocol): nothing was generated, so it is
+                        # retried the same way.
                         failure = "connect"
                         detail = f"connect to {replica.name}: {_why(exc)}"
                         raise RetryableFailure("connect", failure, detail) from None
                     await self._relay_response(call, attempt, response, send, watchdog)
             except TimeoutError:
+                if fire_at == deadline:
+                    # Cut short by the request's deadline, not by its own timeout: no verdict
+                    # on the replica (as when the client leaves), and no retry after it.
+                    detail = (
+                        f"{replica.name} sent no token before the request's deadline "
+                        f"(retry.deadline_s={self.gw.policy.retry.deadline_s:g})"
+                    )
+                    raise RetryableFailure("first_token_timeout", None, detail) from None
                 failure = "first_token_timeout"
                 detail = f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s"
                 raise RetryableFailure("first_token_timeout", failure, detail) from None
@@ -403,11 +448,11 @@ class Relay:
                 f"replica {replica.name} sent nothing for {call.lane.stream_idle_timeout_s:g}s",
             )
         except (httpx.TransportError, aiohttp.ClientError) as exc:
+            # The answer had begun: the request was sent.
             failure = "reset"
             if not call.started:
-                raise RetryableFailure(
-                    "connect", failure, f"{replica.name} closed the connection: {_why(exc)}"
-                ) from None
+                detail = f"{replica.name} closed the connection: {_why(exc)}"
+                raise self._after_send(call, failure, detail) from None
             await self._end_stream_with_error(
                 call, send, f"replica {replica.name} closed the connection mid-stream"
             )
@@ -418,6 +463,16 @@ class Relay:
             if response is not None:
                 with contextlib.suppress(Exception):
                     await response.aclose()
+
+    def _after_send(self, call: Call, failure: str, detail: str) -> RetryableFailure:
+        """A reset after the request was sent, before anything reached the client. The
+        replica may have spent GPU work on it, so like a 500/502/504 it is retried only with
+        ``retry.on_5xx_after_send``, at most once per request (RELIABILITY 6); counted under
+        that rule's retry reason, ``upstream_5xx``. Otherwise the request fails with it."""
+        retry = self.gw.policy.retry.on_5xx_after_send and not call.retried_after_send
+        if retry:
+            call.retried_after_send = True
+        return RetryableFailure("upstream_5xx", failure, detail, retry=retry)
 
     async def _relay_response(
         self,
@@ -437,8 +492,8 @@ class Relay:
             detail = f"{name} answered {status} (overloaded)"
             raise RetryableFailure("upstream_5xx", failure, detail, overloaded=True)
         if status in (500, 502, 504):
-            if self.gw.policy.retry.on_5xx_after_send and not call.retried_5xx:
-                call.retried_5xx = True
+            if self.gw.policy.retry.on_5xx_after_send and not call.retried_after_send:
+                call.retried_after_send = True
                 await response.aread()
                 raise RetryableFailure("upstream_5xx", "upstream_5xx", f"{name} answered {status}")
             attempt.last_progress = time.monotonic()
@@ -589,6 +644,22 @@ class Relay:
         await send(
             {"type": "http.response.body", "body": sse.error_event(message), "more_body": False}
         )
+
+
+def _reached_replica(exc: BaseException) -> bool:
+    """Whether a transport failure came on an established connection (the request may have
+    reached the replica) rather than while connecting. The aiohttp transport raises
+    ``ConnectTimeout`` for every aiohttp connection error, refused and reset alike, keeping
+    aiohttp's exception as the cause: the cause tells them apart."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, aiohttp.ClientError) else exc
+    if isinstance(cause, aiohttp.ClientConnectionError):
+        # Connector errors cover refused, DNS and TLS; ConnectionTimeoutError the connect
+        # and pool timeouts.
+        return not isinstance(cause, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+    if isinstance(cause, aiohttp.ClientError):
+        return False  # not HTTP: see the caller
+    # Without aiohttp underneath: httpx's own classes say the phase.
+    return not isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
 
 
 def _why(exc: BaseException) -> str:

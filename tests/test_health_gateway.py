@@ -170,7 +170,11 @@ async def test_silent_first_tokens_eject_for_first_token_timeout() -> None:
     "fault", [{"fault": "refuse"}, {"fault": "crash"}], ids=lambda f: f["fault"]
 )
 async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(fault) -> None:
-    async with fleet_of_three({"eject_base_s": 0.5, "eject_max_s": 1.0}) as (sims, url, app):
+    # A crash resets the requests it held after they were sent: retried only on opt-in
+    # (RELIABILITY 6), which this test takes to see them all served.
+    retry = {"on_5xx_after_send": True} if fault["fault"] == "crash" else None
+    health = {"eject_base_s": 0.5, "eject_max_s": 1.0}
+    async with fleet_of_three(health, retry=retry) as (sims, url, app):
         dead = replica_of(app, sims[0])
         async with load(url, workers=6) as sent:
             await asyncio.sleep(0.5)
@@ -181,5 +185,6 @@ async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(
             back_at = await until_state(dead, ReplicaState.HEALTHY, 8)
     assert back_at >= set_at + 1.5  # readmitted only once the fault lifted
     failed = [s.result for s in sent if s.result.outcome != OK]
-    # Connects refused are retried; only streams cut mid-way by the crash may fail.
+    # Connects refused and (opted in) resets are retried; only streams cut mid-way by the crash
+    # may fail.
     assert all(r.content_chunks > 0 for r in failed), [r.error for r in failed][:3]

@@ -1,0 +1,210 @@
+"""Which failures are retried and for how long (DESIGN 5 "Retries", RELIABILITY 6): one
+deadline for all attempts, and a reset after the request was sent retried only on opt-in,
+once. Over real sockets against the wire-level fake."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.fake_upstream import FakeUpstream, running
+from proxy import relay
+from proxy.config import PolicyError, build_policy, policy_from_text, restart_changes
+
+from .gateway import policy_for, running_gateway
+
+CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+POLICY = """
+pools:
+  p:
+    replicas: [{url: "http://r0:8000"}]
+lanes:
+  - name: all
+    pool: p
+"""
+
+
+def chats(up: FakeUpstream) -> int:
+    """Chat requests a fake received (canaries and probes apart)."""
+    return sum("messages" in b for b in up.stats.bodies)
+
+
+def first_then_spill(first: list[str], spill: list[str], **sections: Any) -> dict[str, Any]:
+    """A lane that tries the replicas of ``first``, then those of ``spill``: a fixed order."""
+    return policy_for(
+        {"first": first, "spill": spill},
+        lanes=[{"name": "all", "pool": "first", "spill_to": "spill"}],
+        health={"interval_s": 60},
+        **sections,
+    )
+
+
+class _SlowHeadersUpstream(FakeUpstream):
+    """A replica that answers client requests only after ``delay_s`` (status line included)."""
+
+    delay_s = 0.0
+
+    async def _respond(
+        self, method: str, path: str, headers: dict[str, str], raw: bytes, w: asyncio.StreamWriter
+    ) -> None:
+        if path == "/v1/chat/completions" and "x-tokenlane-canary" not in headers:
+            await asyncio.sleep(self.delay_s)
+        await super()._respond(method, path, headers, raw, w)
+
+
+# -- retry.deadline_s ----------------------------------------------------------------------
+
+
+def test_deadline_defaults_to_60s_must_be_positive_and_reloads_without_restart() -> None:
+    policy = policy_from_text(POLICY, environ={})
+    assert policy.retry.deadline_s == 60.0
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(PolicyError) as info:
+            policy_from_text(POLICY + f"retry:\n  deadline_s: {bad}\n", environ={})
+        assert [p.split(":")[0] for p in info.value.problems] == ["retry.deadline_s"]
+    changed = policy_from_text(POLICY + "retry:\n  deadline_s: 2.5\n", environ={})
+    assert changed.retry.deadline_s == 2.5
+    assert restart_changes(policy, changed) == []
+
+
+async def test_silent_replicas_fail_a_stream_at_the_deadline_not_after_every_attempt() -> None:
+    async with running(tokens=3) as a, running(tokens=3) as b, running(tokens=3) as c:
+        policy = policy_for(
+            {"p": [a.url, b.url, c.url]},
+            lanes=[{"name": "all", "pool": "p", "first_token_timeout_s": 1.0}],
+            health={"interval_s": 60},
+            retry={"deadline_s": 1.5},  # max_attempts stays 3: 3 s without the deadline
+        )
+        async with running_gateway(policy) as (url, app):
+            for up in (a, b, c):
+                up.first_token_delay_s = 10.0
+            async with httpx.AsyncClient(timeout=10) as client:
+                started = time.monotonic()
+                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+                elapsed = time.monotonic() - started
+            assert r.status_code == 502
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert "deadline" in r.json()["error"]["message"]
+            assert 1.2 < elapsed < 2.5, elapsed
+            assert chats(a) + chats(b) + chats(c) == 2
+            retries = app.gateway.metrics.retries.labels("all", "first_token_timeout")
+            assert retries._value.get() == 1
+
+
+async def test_a_plain_attempt_outlives_the_deadline_but_no_retry_starts_after_it() -> None:
+    slow = _SlowHeadersUpstream(tokens=3)
+    await slow.start()
+    try:
+        async with running(tokens=3) as good:
+            policy = first_then_spill([slow.url], [good.url], retry={"deadline_s": 0.3})
+            async with running_gateway(policy) as (url, _):
+                slow.delay_s = 0.6
+                async with httpx.AsyncClient(timeout=10) as client:
+                    # Not cut: a plain response arrives whole at the end of generation.
+                    r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 200
+                    assert r.headers["x-tokenlane-replica"] == slow.url.removeprefix("http://")
+                    # Busy, but only after the deadline: answered as it is, not retried.
+                    slow.fail_status = 503
+                    r = await client.post(url + "/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 503
+            assert chats(good) == 0
+    finally:
+        await slow.stop()
+
+
+# -- resets ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_a_reset_after_the_request_was_sent_is_not_retried_by_default(how: str) -> None:
+    async with running(tokens=3) as closer, running(tokens=3) as good:
+        async with running_gateway(first_then_spill([closer.url], [good.url])) as (url, app):
+            closer.close_after_request = how
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert r.json()["error"]["type"] == "BadGatewayError"
+            assert "closed the connection" in r.json()["error"]["message"]
+            assert (chats(closer), chats(good)) == (1, 0)
+            # Still a failure of the replica, towards health.consecutive_failures.
+            assert app.gateway.fleet.find(closer.url)[0].failures_in_row == 1
+
+
+async def test_a_reset_is_retried_once_elsewhere_with_on_5xx_after_send() -> None:
+    async with running(tokens=3) as closer, running(tokens=3) as good:
+        policy = first_then_spill([closer.url], [good.url], retry={"on_5xx_after_send": True})
+        async with running_gateway(policy) as (url, app):
+            closer.close_after_request = "reset"
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200
+            assert r.headers["x-tokenlane-replica"] == good.url.removeprefix("http://")
+            assert app.gateway.metrics.retries.labels("all", "upstream_5xx")._value.get() == 1
+            assert app.gateway.metrics.retries.labels("all", "connect")._value.get() == 0
+
+
+async def test_a_reset_after_send_is_retried_at_most_once() -> None:
+    async with (
+        running(tokens=3) as c1,
+        running(tokens=3) as c2,
+        running(tokens=3) as good,
+    ):
+        policy = first_then_spill(
+            [c1.url, c2.url], [good.url], retry={"on_5xx_after_send": True, "max_attempts": 3}
+        )
+        async with running_gateway(policy) as (url, _):
+            c1.close_after_request = c2.close_after_request = "close"
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 502
+            assert (chats(c1) + chats(c2), chats(good)) == (2, 0)
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+async def test_a_stream_cut_before_its_first_token_is_retried_only_on_opt_in(opt_in: bool) -> None:
+    async with running(tokens=3) as cut, running(tokens=3) as good:
+        policy = first_then_spill([cut.url], [good.url], retry={"on_5xx_after_send": opt_in})
+        async with running_gateway(policy) as (url, _):
+            cut.cut_after = 0  # the status line and the role chunk, then the connection drops
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+            if opt_in:
+                assert r.status_code == 200
+                assert r.text.rstrip().endswith("data: [DONE]")
+                assert chats(good) == 1
+            else:
+                assert r.status_code == 502
+                assert chats(good) == 0
+
+
+async def test_an_idle_pooled_connection_is_not_reused_past_the_keepalive_expiry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM's uvicorn closes idle connections after 5 s; the gateway must give them up first.
+    assert relay.KEEPALIVE_EXPIRY_S < 5.0
+    monkeypatch.setattr(relay, "KEEPALIVE_EXPIRY_S", 0.2)
+    client = relay.make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
+    try:
+        async with running(tokens=2) as up:
+
+            async def post() -> None:
+                request = httpx.Request(
+                    "POST", up.url + "/v1/chat/completions", json=CHAT, extensions={"timeout": {}}
+                )
+                response = await client.transport.handle_async_request(request)
+                await response.aread()
+                await response.aclose()
+
+            await post()
+            await post()
+            assert up.stats.connections == 1  # reused while fresh
+            await asyncio.sleep(0.4)
+            await post()
+            assert up.stats.connections == 2  # expired: a new connection
+    finally:
+        await client.aclose()
