@@ -136,6 +136,9 @@ class Call:
     received_at: float
     query: bytes = b""
     task: asyncio.Task[Any] | None = None
+    # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
+    # free, when rate limits are off).
+    extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
     # outcome
     pool: str | None = None
     replica: Replica | None = None
@@ -451,6 +454,8 @@ class Relay:
         drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
         headers.append((b"x-request-id", call.request_id.encode()))
+        if call.extra_headers:
+            headers += call.extra_headers
         if self.gw.policy.server.response_headers:
             headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
             if call.replica is not None:
@@ -610,6 +615,7 @@ class Relay:
                     "headers": [
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"x-request-id", call.request_id.encode()),
+                        *call.extra_headers,
                     ],
                 }
             )
