@@ -16,6 +16,10 @@ that is not HTTP), ``cut_after`` (close the connection after that many content c
 ``"close"`` with a FIN, ``"reset"`` with a RST). A request may set its own pacing with the
 extra body fields ``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown
 fields unchanged).
+
+``/v1/audio/transcriptions`` and ``/v1/audio/translations`` take a multipart form as vLLM does
+and answer ``{"text": ...}``, or, when the form has ``stream=true``, an SSE stream of
+``tokens`` transcription chunks paced like a chat stream (``cut_after`` applies too).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import email
+import email.policy
 import json
 import socket
 import struct
@@ -40,7 +46,8 @@ class FakeStats:
     disconnects: int = 0  # connections closed by the peer before the response ended
     drain_waits: int = 0  # writes held back by a slow reader (backpressure)
     bytes_written: int = 0
-    bodies: list[dict[str, Any]] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # JSON, or a form's fields
+    raw_bodies: list[bytes] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)  # request targets, query included
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected_at: list[float] = field(default_factory=list)
@@ -215,10 +222,15 @@ class FakeUpstream:
             )
             return
         self.stats.requests += 1
-        body: dict[str, Any] = json.loads(raw) if raw else {}
+        ctype = headers.get("content-type", "")
+        if ctype.startswith("multipart/form-data"):
+            body: dict[str, Any] = form_fields(raw, ctype)
+        else:
+            body = json.loads(raw) if raw else {}
         if self.record:
             self.stats.targets.append(path)
             self.stats.bodies.append(body)
+            self.stats.raw_bodies.append(raw)
             self.stats.headers.append(headers)
         if self.close_after_request is not None:
             if self.close_after_request == "reset":
@@ -246,6 +258,9 @@ class FakeUpstream:
                 b"HTTP/1.1 %d Fail\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n%s" % (self.fail_status, len(payload), payload)
             )
+            return
+        if path.startswith("/v1/audio/"):
+            await self._transcription(body, w)
             return
         tokens = int(body.get("max_tokens") or self.tokens)
         if not body.get("stream"):
@@ -288,6 +303,66 @@ class FakeUpstream:
             self.stats.disconnects += 1
             self.stats.disconnected_at.append(time.monotonic())
             raise
+
+    async def _transcription(self, form: dict[str, Any], w: asyncio.StreamWriter) -> None:
+        """vLLM's transcription answer: whole, or streamed when the form says ``stream=true``."""
+        words = [f" tok{i}" for i in range(self.tokens)]
+        if form.get("stream") != "true":
+            payload = json.dumps({"text": "".join(words).strip()}).encode()
+            w.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d"
+                b"\r\n\r\n%s" % (len(payload), payload)
+            )
+            return
+        events = [_transcription_chunk(word, None) for word in words]
+        events += [_transcription_chunk("", "stop"), b"data: [DONE]\n\n"]
+        interval = float(form.get("fake_interval_ms", self.interval_s * 1000)) / 1000
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        try:
+            for i, event in enumerate(events):
+                if i and interval > 0:
+                    await asyncio.sleep(interval)
+                if self.cut_after is not None and i >= self.cut_after:
+                    w.transport.abort()
+                    raise ConnectionResetError("cut by the fake")
+                w.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.stats.bytes_written += len(event)
+                await w.drain()
+                if w.transport.is_closing():
+                    raise ConnectionResetError
+            w.write(b"0\r\n\r\n")
+        except ConnectionError:
+            self.stats.disconnects += 1
+            self.stats.disconnected_at.append(time.monotonic())
+            raise
+
+
+def _transcription_chunk(content: str, finish: str | None) -> bytes:
+    obj = {
+        "id": "trsc-fake",
+        "object": "transcription.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"delta": {"content": content}, "finish_reason": finish, "stop_reason": None}],
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def form_fields(raw: bytes, content_type: str) -> dict[str, Any]:
+    """The fields of a ``multipart/form-data`` body: text fields as str, files as bytes."""
+    message = email.message_from_bytes(
+        b"content-type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw,
+        policy=email.policy.HTTP,
+    )
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        value = part.get_payload(decode=True)
+        name = part.get_param("name", header="content-disposition")
+        fields[str(name)] = value if part.get_filename() is not None else value.decode()
+    return fields
 
 
 @contextlib.asynccontextmanager

@@ -323,13 +323,20 @@ def request_id_from(value: bytes | None) -> str:
     return os.urandom(12).hex()
 
 
-async def send_error(send: Send, err: GatewayError, request_id: str | None = None) -> None:
+async def send_error(
+    send: Send,
+    err: GatewayError,
+    request_id: str | None = None,
+    extra: list[tuple[bytes, bytes]] | tuple[()] = (),
+) -> None:
+    """The gateway's own error answer; ``extra`` is the request's ``Call.extra_headers``."""
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     for k, v in err.headers.items():
         headers.append((k.encode(), v.encode()))
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
+    headers += extra
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -422,8 +429,10 @@ class RelayEndpoint:
             if call is not None:
                 call.status = err.status
                 call.error = err.message
-            if call is None or not call.started:
+            if call is None:
                 await send_error(send, err, request_id)
+            elif not call.started:  # admitted, then failed: the key's limits still apply
+                await send_error(send, err, request_id, call.extra_headers)
         except ClientGone:
             pass
         except asyncio.CancelledError:
@@ -437,7 +446,10 @@ class RelayEndpoint:
                 call.status = 500
             if call is None or not call.started:
                 await send_error(
-                    send, GatewayError("internal error in the gateway; see its log"), request_id
+                    send,
+                    GatewayError("internal error in the gateway; see its log"),
+                    request_id,
+                    call.extra_headers if call is not None else (),
                 )
         finally:
             gw.active_requests -= 1

@@ -128,11 +128,14 @@ class Guard:
         raise Unauthorized(message, code="invalid_api_key")
 
     def charge(self, kid: str | None, call: Call, chars_per_token: float) -> None:
-        """Take the request's cost from its key's budget; raises ``Rejected`` (429)."""
+        """Take the request's cost from its key's budget; raises ``Rejected`` (429). An
+        admitted request carries the key's ``x-ratelimit-*`` headers to every answer it gets,
+        as OpenAI sends them (``Call.extra_headers``)."""
         if kid is None or not self.limiter.enabled:
             return
         verdict = self.limiter.check(kid, request_tokens(call, chars_per_token))
         if verdict.allowed:
+            call.extra_headers = [(k.encode(), v.encode()) for k, v in verdict.headers().items()]
             return
         lane = call.lane.name
         self.metrics.rejections.labels(lane, "rate_limited").inc()

@@ -151,6 +151,9 @@ class Call:
     query: bytes = b""
     task: asyncio.Task[Any] | None = None
     start_with_body: bool = False  # the server takes START_WITH_BODY
+    # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
+    # free, when rate limits are off).
+    extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
     # outcome
     pool: str | None = None
     replica: Replica | None = None
@@ -508,6 +511,8 @@ class Relay:
         drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
         headers.append((b"x-request-id", call.request_id.encode()))
+        if call.extra_headers:
+            headers += call.extra_headers
         if self.gw.policy.server.response_headers:
             headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
             if call.replica is not None:
@@ -522,7 +527,11 @@ class Relay:
         send: Send,
         watchdog: asyncio.Timeout,
     ) -> None:
-        """A plain response (or an error status): read it whole, then send it unchanged."""
+        """A plain response (or an error status): read it whole, then send it unchanged.
+        Pass-through answers are relayed as they come instead."""
+        if call.kind == "other":
+            await self._relay_passthrough(call, attempt, response, send, watchdog)
+            return
         # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
         # the headers still announce (with the compressed Content-Length).
         body = b"".join([part async for part in response.aiter_raw()])
@@ -538,6 +547,43 @@ class Relay:
             call, send, self._response_start(call, response, call.status), body, False
         )
         call.ttft_s = now() - call.received_at
+
+    async def _relay_passthrough(
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
+    ) -> None:
+        """A pass-through response (embeddings, audio, tokenize...): unchanged, as it comes.
+
+        The start goes out as soon as the replica's status line and headers have arrived (a
+        retried status never gets here), then each raw chunk as it is read: a streamed
+        transcription reaches the client event by event. Nothing is parsed or held.
+
+        The raw bytes are the body the replica framed, so its Content-Length stays true and is
+        kept: the client can tell a cut body from a whole one, and uvicorn writes the bytes
+        without re-framing them. An SSE answer is a stream like a chat stream: re-framed
+        chunked, and a failure ends it with an in-band error event (``_end_stream_with_error``),
+        which a fixed length would not allow."""
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            call.stream = True
+        call.status = response.status_code
+        call.started = True
+        attempt.content_sent = True
+        attempt.last_progress = time.monotonic()
+        await send(self._response_start(call, response, call.status))
+        async for chunk in response.aiter_raw():
+            attempt.last_progress = time.monotonic()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if call.ttft_s is None:
+                call.ttft_s = now() - call.received_at
+            call.content_chunks += 1
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if call.ttft_s is None:
+            call.ttft_s = now() - call.received_at
 
     async def _relay_stream(
         self,
@@ -627,6 +673,11 @@ class Relay:
 
     async def _end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
         call.error = message
+        if call.kind == "other" and not call.stream:
+            # A pass-through body that is not a stream cannot carry an error: it is left
+            # incomplete, so the ASGI server closes the connection (without the final chunk,
+            # or short of its Content-Length) and the client sees it cut, not whole.
+            return
         if not call.started:
             # Nothing sent yet: an SSE stream is still what the client asked for.
             call.started = True
@@ -638,6 +689,7 @@ class Relay:
                     "headers": [
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"x-request-id", call.request_id.encode()),
+                        *call.extra_headers,
                     ],
                 }
             )

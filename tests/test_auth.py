@@ -214,3 +214,82 @@ async def test_rate_limits_are_off_without_client_keys() -> None:
                     for _ in range(3)
                 ]
     assert codes == [200, 200, 200]
+
+
+RATE_HEADERS = {
+    f"x-ratelimit-{what}-{unit}"
+    for what in ("limit", "remaining", "reset")
+    for unit in ("requests", "tokens")
+}
+
+
+async def test_every_answer_to_a_limited_key_carries_its_rate_limit_headers() -> None:
+    async with running(tokens=3) as up:
+        limits = {"requests_per_min": 10, "tokens_per_min": 50_000}  # a request back every 6 s
+        policy = policy_for({"p": [up.url]}, rate_limits=limits, health={"interval_s": 60})
+        env = {"TOKENLANE_API_KEYS": KEYS}
+        async with running_gateway(policy, environ=env) as (url, _):
+            a = bearer("sk-alpha-0123456789")
+            async with httpx.AsyncClient(base_url=url, headers=a, timeout=10) as client:
+                answers = [
+                    await client.post("/v1/chat/completions", json=CHAT),
+                    await client.post("/v1/chat/completions", json={**CHAT, "stream": True}),
+                    await client.post("/tokenize", json={"model": CHAT["model"], "prompt": "x"}),
+                ]
+                up.fail_status = 503  # every replica busy: the gateway's own 503
+                answers.append(await client.post("/v1/chat/completions", json=CHAT))
+                up.fail_status = None
+                await up.stop()  # refused: the gateway's own 502
+                answers.append(await client.post("/v1/chat/completions", json=CHAT))
+    assert [r.status_code for r in answers] == [200, 200, 200, 503, 502]
+    assert answers[1].headers["content-type"].startswith("text/event-stream")
+    for r in answers:
+        assert RATE_HEADERS <= set(r.headers), r.headers
+        assert r.headers["x-ratelimit-limit-requests"] == "10"
+        assert r.headers["x-ratelimit-limit-tokens"] == "50000"
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in answers]
+    assert remaining == [9, 8, 7, 6, 5]
+    tokens = [int(r.headers["x-ratelimit-remaining-tokens"]) for r in answers]
+    assert all(t < 50_000 for t in tokens)
+
+
+@pytest.mark.parametrize(
+    ("environ", "limits"),
+    [({}, {"requests_per_min": 10}), ({"TOKENLANE_API_KEYS": KEYS}, {})],
+    ids=["no-keys", "keys-without-limits"],
+)
+async def test_answers_carry_no_rate_limit_headers_without_limits(
+    environ: dict[str, str], limits: dict[str, int]
+) -> None:
+    async with running(tokens=3) as up:
+        policy = policy_for({"p": [up.url]}, rate_limits=limits)
+        async with running_gateway(policy, environ=environ) as (url, _):
+            a = bearer("sk-alpha-0123456789")
+            async with httpx.AsyncClient(base_url=url, headers=a, timeout=10) as client:
+                answers = [
+                    await client.post("/v1/chat/completions", json=CHAT),
+                    await client.post("/v1/chat/completions", json={**CHAT, "stream": True}),
+                ]
+    assert [r.status_code for r in answers] == [200, 200]
+    for r in answers:
+        assert not any(k.startswith("x-ratelimit-") for k in r.headers), r.headers
+
+
+async def test_the_openai_sdk_sees_the_rate_limit_headers() -> None:
+    import openai
+
+    async with running(tokens=3) as up:
+        policy = policy_for({"p": [up.url]}, rate_limits={"requests_per_min": 10})
+        env = {"TOKENLANE_API_KEYS": KEYS}
+        async with running_gateway(policy, environ=env) as (url, _):
+            client = openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="sk-alpha-0123456789", max_retries=0
+            )
+            raw = await client.chat.completions.with_raw_response.create(
+                model=CHAT["model"], messages=CHAT["messages"], max_tokens=2
+            )
+            await client.close()
+    assert raw.headers["x-ratelimit-limit-requests"] == "10"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "9"
+    assert raw.parse().choices[0].message.content

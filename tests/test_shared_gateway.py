@@ -287,6 +287,7 @@ async def test_client_key_budget_is_shared_by_both_gateways(redis_server: RedisS
     ):
         await eventually(lambda: app_a.gateway.shared.up and app_b.gateway.shared.up, 5, "up")
         statuses: list[int] = []
+        limit_headers: list[str | None] = []
         started = time.monotonic()
         headers = {"authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(headers=headers, timeout=10) as client:
@@ -296,9 +297,12 @@ async def test_client_key_budget_is_shared_by_both_gateways(redis_server: RedisS
                     url + "/v1/chat/completions", content=chat(i, max_tokens=1, stream=False)
                 )
                 statuses.append(resp.status_code)
+                limit_headers.append(resp.headers.get("x-ratelimit-limit-requests"))
+                assert "x-ratelimit-remaining-requests" in resp.headers
         refill = (time.monotonic() - started) * limit / 60
     allowed = statuses.count(200)
     assert set(statuses) <= {200, 429}
+    assert set(limit_headers) == {str(limit)}  # on every answer, admitted or refused
     # Each gateway alone would allow 40: together they must stay within one budget.
     assert limit - 2 * batch <= allowed <= limit + refill + 2 * batch, (allowed, refill)
     print(f"one budget of {limit}/min over two gateways: {allowed} allowed (+{refill:.1f} refill)")
