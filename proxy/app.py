@@ -12,6 +12,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -75,6 +76,8 @@ def _file_hash(path: str) -> bytes | None:
         return None
 
 
+_ID_PREFIX = os.urandom(7).hex()
+_id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
 _REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
@@ -244,6 +247,8 @@ class Gateway:
         replica = call.replica.name if call.replica is not None else ""
         duration = now() - call.received_at
         m.series(m.requests, lane, pool, replica, str(call.status)).inc()
+        if call.overhead_s is not None:
+            m.series(m.overhead, lane).observe(call.overhead_s)
         if call.pool:
             m.series(m.duration, lane, pool).observe(duration)
             if call.ttft_s is not None:
@@ -318,9 +323,11 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
 
 
 def request_id_from(value: bytes | None) -> str:
+    """The client's ``X-Request-Id`` when it is sane, else a new one: 24 hex digits, a random
+    prefix drawn once per process and a counter (no system call per request)."""
     if value and len(value) <= 128 and all(c in _REQUEST_ID_OK for c in value):
         return value.decode()
-    return os.urandom(12).hex()
+    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFF:010x}"
 
 
 async def send_error(

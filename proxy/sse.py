@@ -19,15 +19,17 @@ _DELTA_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls"
 class EventBuffer:
     """Splits a byte stream into complete SSE events; keeps the unfinished rest."""
 
-    __slots__ = ("_rest",)
+    __slots__ = ("_data", "_start")
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._data = b""
+        self._start = 0  # what is pending is self._data[self._start:]
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         """The complete events so far, one at a time: a reader that stops early (at the first
-        content) does not pay for splitting the rest of a large read."""
-        data = self._rest + chunk if self._rest else chunk
+        content) does not pay for splitting, or copying, the rest of a large read."""
+        rest = self._data[self._start :] if self._start < len(self._data) else b""
+        data = rest + chunk if rest else chunk
         # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
         if b"\r\n" in data:
             data = data.replace(b"\r\n", b"\n")
@@ -42,7 +44,8 @@ class EventBuffer:
                 yield event
         finally:
             # Also when the reader stops early: what it did not take stays pending.
-            self._rest = data[start:]
+            self._data = data
+            self._start = start
 
 
 def event_data(event: bytes) -> bytes | None:
