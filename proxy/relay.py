@@ -29,7 +29,7 @@ from .asgi_ext import START_BODY, START_MORE_BODY
 from .classify import affinity_key
 from .errors import Rejected, UpstreamBusy, UpstreamFailed
 from .fleet import Replica
-from .transport import RelayTransport
+from .transport import RawResponseStream, RelayTransport
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -629,7 +629,10 @@ class Relay:
         call.started = True
         attempt.content_sent = found
         body = held[0] if len(held) == 1 else b"".join(held)
-        # A stream that ended within the held chunks (one burst) goes out whole.
+        # A stream that ended within the held chunks (one burst) goes out whole, its end in
+        # the same write.
+        if not ended and isinstance(response.stream, RawResponseStream):
+            ended = response.stream.at_eof()
         await self._send_start(
             call, send, self._response_start(call, response, 200), body, not ended
         )

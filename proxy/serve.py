@@ -121,6 +121,7 @@ def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.C
         proxy_headers=False,  # one ASGI layer less per chunk; client IPs are the peers
         log_level="warning",
         timeout_keep_alive=30,
+        server_header=False,  # the answer is the replica's: no "server: uvicorn" added
         backlog=4096,
         **kw,  # type: ignore[arg-type]
     )

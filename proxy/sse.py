@@ -31,7 +31,9 @@ class EventBuffer:
         rest = self._data[self._start :] if self._start < len(self._data) else b""
         data = rest + chunk if rest else chunk
         # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
-        if b"\r\n" in data:
+        # Looking for the one byte is a memchr; looking for b"\r\n" in a buffer full of "\n"
+        # costs 12 µs per 14 KB read.
+        if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         start = 0
         try:

@@ -34,6 +34,10 @@ class RawResponseStream(AiohttpResponseStream):
                     return
                 yield chunk
 
+    def at_eof(self) -> bool:
+        """Everything the replica sent has been read: the last read held the end too."""
+        return self._aiohttp_response.content.at_eof()
+
 
 class RelayTransport(AiohttpTransport):
     """``AiohttpTransport`` with per-request work cached: the aiohttp timeout of each
