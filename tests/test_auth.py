@@ -293,3 +293,28 @@ async def test_the_openai_sdk_sees_the_rate_limit_headers() -> None:
     assert raw.headers["x-ratelimit-limit-requests"] == "10"
     assert raw.headers["x-ratelimit-remaining-requests"] == "9"
     assert raw.parse().choices[0].message.content
+
+
+async def test_an_audio_upload_counts_no_tokens_but_a_json_body_does() -> None:
+    # 40 KB of audio is no text: at 4 chars per token it would be 10,000 "tokens", over a
+    # whole minute's limit, and refused as too large.
+    async with running(tokens=3) as up:
+        policy = policy_for({"p": [up.url]}, rate_limits={"tokens_per_min": 1000})
+        env = {"TOKENLANE_API_KEYS": KEYS}
+        async with running_gateway(policy, environ=env) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                a = bearer("sk-alpha-0123456789")
+                audio = await client.post(
+                    url + "/v1/audio/transcriptions",
+                    headers=a,
+                    data={"model": CHAT["model"]},
+                    files={"file": ("a.wav", b"\x00" * 40_000, "audio/wav")},
+                )
+                text = await client.post(
+                    url + "/v1/embeddings",
+                    headers=a,
+                    json={"model": CHAT["model"], "input": "x" * 8_000},
+                )
+    assert audio.status_code == 200
+    assert audio.headers["x-ratelimit-remaining-tokens"] == "1000"
+    assert text.status_code == 429 and "too large" in text.json()["error"]["message"]
