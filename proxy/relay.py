@@ -110,8 +110,8 @@ def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession
     """The aiohttp session under the transport, made on first use (inside the event loop).
 
     A proxy keeps no cookies: aiohttp's default jar would store a replica's ``Set-Cookie`` and
-    replay it on other clients' requests (and costs a lookup per request). The connector gets
-    the same explicit limits."""
+    replay it on other clients' requests (and costs a lookup per request), and adds no headers
+    of its own. The connector gets the same explicit limits."""
 
     def make() -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -119,7 +119,13 @@ def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession
             keepalive_timeout=limits.keepalive_expiry,
         )
         return aiohttp.ClientSession(
-            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            # What the client sent goes upstream, nothing of aiohttp's own: its default
+            # "Accept-Encoding: gzip, deflate" would invite a compressed answer that the relay
+            # passes on, raw, to a client that never asked for one.
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),
         )
 
     return make

@@ -497,3 +497,24 @@ async def test_every_replica_overloaded_answers_503_with_retry_after_not_502() -
     assert r.status_code == 503
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_upstream_gets_the_clients_headers_and_none_of_the_relays_own() -> None:
+    # aiohttp adds Accept, Accept-Encoding: gzip and its User-Agent when a request has none;
+    # a compressed answer the client never asked for would then be relayed raw.
+    async with running(tokens=3) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            host, port = url.split("//")[1].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps(CHAT).encode()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-trace: 7\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            await writer.drain()
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+            writer.close()
+    (_, headers), *_ = chat_requests(up)
+    assert set(headers) == {"host", "x-trace", "content-type", "content-length", "x-request-id"}
+    assert headers["content-length"] == str(len(body))
