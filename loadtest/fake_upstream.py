@@ -33,9 +33,9 @@ import json
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -278,27 +278,35 @@ class FakeUpstream:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
-        try:
-            if not paced and not self.first_token_delay_s and self.cut_after is None:
-                data = b"".join(events)
-                w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
-                return
+        if not paced and not self.first_token_delay_s and self.cut_after is None:
+            data = b"".join(events)
+            w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            return
+        with self._noting_disconnects():
             for i, event in enumerate(events):
                 if i == 1 and self.first_token_delay_s:
                     await asyncio.sleep(self.first_token_delay_s)
                 elif i > 1 and event is not events[-1] and interval > 0:
                     await asyncio.sleep(interval)
                 if self.cut_after is not None and i > self.cut_after:
-                    w.transport.abort()
-                    raise ConnectionResetError("cut by the fake")
-                w.write(b"%x\r\n%s\r\n" % (len(event), event))
-                self.stats.bytes_written += len(event)
-                if w.transport.get_write_buffer_size() > 65536:
-                    self.stats.drain_waits += 1  # above the high-water mark: drain() waits
-                await w.drain()
-                if w.transport.is_closing():
-                    raise ConnectionResetError
+                    _cut(w)
+                await self._send_chunk(w, event)
             w.write(b"0\r\n\r\n")
+
+    async def _send_chunk(self, w: asyncio.StreamWriter, event: bytes) -> None:
+        """One HTTP chunk, drained: a reader that stops reading holds this writer back."""
+        w.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.stats.bytes_written += len(event)
+        if w.transport.get_write_buffer_size() > 65536:
+            self.stats.drain_waits += 1  # above the high-water mark: drain() waits
+        await w.drain()
+        if w.transport.is_closing():
+            raise ConnectionResetError
+
+    @contextlib.contextmanager
+    def _noting_disconnects(self) -> Iterator[None]:
+        try:
+            yield
         except ConnectionError:
             self.stats.disconnects += 1
             self.stats.disconnected_at.append(time.monotonic())
@@ -321,23 +329,19 @@ class FakeUpstream:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
-        try:
+        with self._noting_disconnects():
             for i, event in enumerate(events):
                 if i and interval > 0:
                     await asyncio.sleep(interval)
                 if self.cut_after is not None and i >= self.cut_after:
-                    w.transport.abort()
-                    raise ConnectionResetError("cut by the fake")
-                w.write(b"%x\r\n%s\r\n" % (len(event), event))
-                self.stats.bytes_written += len(event)
-                await w.drain()
-                if w.transport.is_closing():
-                    raise ConnectionResetError
+                    _cut(w)
+                await self._send_chunk(w, event)
             w.write(b"0\r\n\r\n")
-        except ConnectionError:
-            self.stats.disconnects += 1
-            self.stats.disconnected_at.append(time.monotonic())
-            raise
+
+
+def _cut(w: asyncio.StreamWriter) -> NoReturn:
+    w.transport.abort()
+    raise ConnectionResetError("cut by the fake")
 
 
 def _transcription_chunk(content: str, finish: str | None) -> bytes:

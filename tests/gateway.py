@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -122,3 +123,10 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def content_of(event: bytes | str) -> str:
+    """The text of one SSE chunk event (``data: {...}``), chat or transcription."""
+    raw = event.encode() if isinstance(event, str) else event
+    obj = json.loads(raw[len(b"data: ") :])
+    return "".join(c["delta"].get("content") or "" for c in obj["choices"])

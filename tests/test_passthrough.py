@@ -14,7 +14,7 @@ import pytest
 
 from loadtest.fake_upstream import MODEL, FakeUpstream, running
 
-from .gateway import policy_for, running_gateway
+from .gateway import content_of, policy_for, running_gateway
 
 AUDIO = b"RIFF\x00\x01\x02\x03WAVEfmt \r\n--not-a-boundary\r\n" + bytes(range(256)) * 40
 WHISPER = "openai/whisper-large-v3"
@@ -23,11 +23,6 @@ WHISPER = "openai/whisper-large-v3"
 def transcription_form(**fields: str) -> dict[str, object]:
     """httpx arguments for a multipart transcription request, as the OpenAI SDK sends it."""
     return {"data": {"model": WHISPER, **fields}, "files": {"file": ("a.wav", AUDIO, "audio/wav")}}
-
-
-def event_text(line: str) -> str:
-    obj = json.loads(line[len("data: ") :])
-    return "".join(c["delta"].get("content") or "" for c in obj["choices"])
 
 
 async def test_a_streamed_transcription_arrives_before_upstream_sends_its_last() -> None:
@@ -45,7 +40,7 @@ async def test_a_streamed_transcription_arrives_before_upstream_sends_its_last()
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
                             first_at = first_at or time.monotonic()
-                            texts.append(event_text(line))
+                            texts.append(content_of(line))
                 ended = time.monotonic()
     assert first_at is not None
     # Relayed whole, everything would arrive at the end; relayed as it comes, the first event
@@ -128,7 +123,7 @@ async def test_a_transcription_stream_cut_by_the_replica_ends_with_an_error_even
                 )
     assert resp.status_code == 200
     events = [e for e in resp.text.split("\n\n") if e.strip()]
-    assert [event_text(e) for e in events[:3]] == [" tok0", " tok1", " tok2"]
+    assert [content_of(e) for e in events[:3]] == [" tok0", " tok1", " tok2"]
     assert events[-1] == "data: [DONE]"
     assert set(json.loads(events[-2][len("data: ") :])["error"]) == {
         "message", "type", "param", "code",

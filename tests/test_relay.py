@@ -15,7 +15,7 @@ import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
 
-from .gateway import gateway_process, policy_for, rss_bytes, running_gateway
+from .gateway import content_of, gateway_process, policy_for, rss_bytes, running_gateway
 from .servers import free_port
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
@@ -26,11 +26,6 @@ def chat_requests(up: FakeUpstream) -> list[tuple[dict, dict]]:
     return [
         (b, h) for b, h in zip(up.stats.bodies, up.stats.headers, strict=True) if "messages" in b
     ]
-
-
-def content_of(event: bytes) -> str:
-    obj = json.loads(event[len(b"data: ") :])
-    return "".join(c["delta"].get("content") or "" for c in obj["choices"])
 
 
 async def test_first_content_reaches_the_client_before_upstream_sends_its_last() -> None:
