@@ -27,7 +27,10 @@ class EventBuffer:
 
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         """The complete events so far, one at a time: a reader that stops early (at the first
-        content) does not pay for splitting, or copying, the rest of a large read."""
+        content) does not pay for splitting, or copying, the rest of a large read.
+
+        What was not taken is kept when the generator ends or is closed (a ``for`` loop left
+        with ``break`` closes it): finish with one generator before feeding the next chunk."""
         rest = self._data[self._start :] if self._start < len(self._data) else b""
         data = rest + chunk if rest else chunk
         # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
@@ -106,6 +109,8 @@ def usage_of(obj: Any) -> dict[str, Any] | None:
 
 def last_usage(tail: bytes) -> dict[str, Any] | None:
     """``usage`` from the last events of a stream (vLLM sends it just before ``[DONE]``)."""
+    if b"\r" in tail:  # as EventBuffer does: accept CRLF line ends
+        tail = tail.replace(b"\r\n", b"\n")
     idx = tail.rfind(b'"usage"')
     if idx < 0:
         return None

@@ -1,0 +1,524 @@
+"""The gateway's uvicorn protocol and its two ASGI extensions, over real loopback sockets:
+a response start that carries its first body (one socket write), and a callback when the
+client goes away; and the gateway's fallback under a plain uvicorn that has neither."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from loadtest.fake_upstream import running
+from proxy.app import create_app, request_id_from
+from proxy.asgi_ext import (
+    CLIENT_GONE,
+    START_BODY,
+    START_MORE_BODY,
+    START_WITH_BODY,
+    ClientGoneHook,
+)
+from proxy.config import build_policy
+from proxy.serve import NoDelayHttpToolsProtocol
+
+from .gateway import policy_for, wait_ready
+from .servers import serve_app
+
+CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+Handler = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+def asgi(handler: Handler) -> Handler:
+    """``handler`` for HTTP, with the lifespan protocol answered (serve_app turns it on)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await handler(scope, receive, send)
+
+    return app
+
+
+async def send_start_with_body(
+    scope: dict[str, Any],
+    send: Any,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    more_body: bool,
+) -> None:
+    """As the relay sends a start: one message where the server takes it, else two."""
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+    if START_WITH_BODY in scope.get("extensions", {}):
+        await send({**start, START_BODY: body, START_MORE_BODY: more_body})
+    else:
+        await send(start)
+        await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+@dataclass
+class Recorder:
+    """What the server wrote on its connections, one entry per write/writelines call."""
+
+    writes: list[bytes] = field(default_factory=list)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _RecordingTransport:
+    def __init__(self, transport: asyncio.Transport, recorder: Recorder) -> None:
+        self._transport = transport
+        self._recorder = recorder
+
+    def write(self, data: bytes) -> None:
+        self._recorder.writes.append(bytes(data))
+        self._transport.write(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self._recorder.writes.append(b"".join(parts))
+        self._transport.writelines(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def recording(base: type[HttpToolsProtocol], recorder: Recorder) -> type[HttpToolsProtocol]:
+    """``base`` with its transport's writes recorded and its connection losses signalled."""
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(_RecordingTransport(transport, recorder))  # type: ignore[arg-type]
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            recorder.lost.set()
+
+    return Recording
+
+
+# ---------------------------------------------------------------------------- raw HTTP/1.1
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def get(path: str = "/", *extra: str) -> bytes:
+    return ("\r\n".join([f"GET {path} HTTP/1.1", "host: test", *extra]) + "\r\n\r\n").encode()
+
+
+async def read_response(reader: asyncio.StreamReader) -> Response:
+    """One HTTP/1.1 response, its framing checked strictly (Content-Length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")[:-2]
+    version, status, _ = lines[0].split(" ", 2)
+    assert version == "HTTP/1.1"
+    headers = {}
+    for line in lines[1:]:
+        name, value = line.split(":", 1)
+        assert name.lower() not in headers, f"header {name} twice"
+        headers[name.lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        assert "content-length" not in headers
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                assert await reader.readexactly(2) == b"\r\n"  # no trailers
+                break
+            parts.append(await reader.readexactly(size))
+            assert await reader.readexactly(2) == b"\r\n"
+        body = b"".join(parts)
+    else:
+        body = await reader.readexactly(int(headers["content-length"]))
+    return Response(int(status), headers, body)
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection(*address(url))
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def exchange(url: str, *requests: bytes) -> list[Response]:
+    """Each request in turn on one keep-alive connection."""
+    answers = []
+    async with asyncio.timeout(5), connect(url) as (reader, writer):
+        for request in requests:
+            writer.write(request)
+            answers.append(await read_response(reader))
+    return answers
+
+
+async def until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+# ---------------------------------------------------------------------------- scope
+
+
+async def echo_extensions(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    ext = scope.get("extensions") or {}
+    hook = ext.get(CLIENT_GONE)
+    body = json.dumps(
+        {
+            "keys": sorted(ext),
+            "hook": type(hook).__name__,
+            "hook_id": id(hook),
+            "start_options": ext.get(START_WITH_BODY),
+        }
+    ).encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_scope_advertises_both_extensions_under_our_protocol() -> None:
+    async with serve_app(asgi(echo_extensions), http=NoDelayHttpToolsProtocol) as url:
+        first, second = (json.loads(r.body) for r in await exchange(url, get(), get()))
+    assert first["keys"] == sorted([START_WITH_BODY, CLIENT_GONE])
+    assert first["hook"] == ClientGoneHook.__name__
+    assert first["start_options"] == {}
+    # Each request has its own hook: a callback set for one is never fired for the next.
+    assert second["keys"] == first["keys"]
+    assert second["hook_id"] != first["hook_id"]
+
+
+async def test_scope_advertises_no_extension_under_plain_uvicorn() -> None:
+    async with serve_app(asgi(echo_extensions)) as url:
+        (answer,) = await exchange(url, get())
+    assert json.loads(answer.body)["keys"] == []
+
+
+# ---------------------------------------------------------------------------- START_WITH_BODY
+
+FRAMINGS = ["chunked", "content-length"]
+
+
+def framing_headers(framing: str, body_length: int) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", b"text/event-stream"), (b"x-test", b"kept")]
+    if framing == "content-length":
+        headers.append((b"content-length", str(body_length).encode()))
+    return headers
+
+
+def check_framing(response: Response, framing: str, body: bytes) -> None:
+    assert response.status == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.headers["x-test"] == "kept"
+    if framing == "chunked":
+        assert response.headers["transfer-encoding"] == "chunked"
+    else:
+        assert response.headers["content-length"] == str(len(body))
+    assert response.body == body
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+async def test_start_with_whole_body_is_a_correct_response_on_a_kept_connection(
+    framing: str,
+) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = f"data: {scope['path']}\n\n".encode()
+        headers = framing_headers(framing, len(body))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": headers,
+                START_BODY: body,
+                START_MORE_BODY: False,
+            }
+        )
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        first, second = await exchange(url, get("/one"), get("/two"))
+    check_framing(first, framing, b"data: /one\n\n")
+    check_framing(second, framing, b"data: /two\n\n")
+    assert "connection" not in first.headers  # kept alive
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+@pytest.mark.parametrize("first", [b"data: first\n\n", b""])
+async def test_start_with_first_body_then_more_body_concatenates_exactly(
+    framing: str, first: bytes
+) -> None:
+    rest = [b"data: second\n\n", b"data: " + b"x" * 70_000 + b"\n\n", b"data: [DONE]\n\n"]
+    whole = first + b"".join(rest)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = framing_headers(framing, len(whole))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": headers,
+                START_BODY: first,
+                START_MORE_BODY: True,
+            }
+        )
+        for part in rest:
+            await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        answers = await exchange(url, get(), get())
+    for answer in answers:
+        check_framing(answer, framing, whole)
+
+
+async def test_start_with_body_honours_connection_close() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send_start_with_body(scope, send, [], b"bye", more_body=False)
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(5), connect(url) as (reader, writer):
+            writer.write(get("/", "connection: close"))
+            answer = await read_response(reader)
+            assert await reader.read() == b""  # the server closed after the response
+    assert answer.body == b"bye"
+    assert answer.headers["connection"] == "close"
+
+
+async def test_pipelined_requests_each_get_the_start_with_body() -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = scope["path"].encode()
+        await send_start_with_body(scope, send, [], body, more_body=False)
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(5), connect(url) as (reader, writer):
+            writer.write(get("/a") + get("/b") + get("/c"))  # one segment, three requests
+            answers = [await read_response(reader) for _ in range(3)]
+    assert [a.body for a in answers] == [b"/a", b"/b", b"/c"]
+
+
+async def test_status_headers_and_first_body_leave_in_one_write() -> None:
+    body = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send_start_with_body(scope, send, [(b"x-test", b"kept")], body, more_body=True)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def first_writes(protocol: type[HttpToolsProtocol]) -> list[bytes]:
+        recorder = Recorder()
+        async with serve_app(asgi(app), http=recording(protocol, recorder)) as url:
+            (answer,) = await exchange(url, get())
+        assert answer.body == body + b"data: [DONE]\n\n"
+        return recorder.writes
+
+    writes = await first_writes(NoDelayHttpToolsProtocol)
+    assert writes[0].startswith(b"HTTP/1.1 200")
+    assert b"x-test: kept\r\n" in writes[0]
+    assert writes[0].endswith(body + b"\r\n")  # the first chunk, framed, in the same write
+    assert b"[DONE]" not in writes[0]
+    # The control: plain uvicorn, the same app, two writes (this is what the recorder tells).
+    plain = await first_writes(HttpToolsProtocol)
+    assert plain[0].startswith(b"HTTP/1.1 200")
+    assert body not in plain[0]
+    assert body in plain[1]
+
+
+# ---------------------------------------------------------------------------- CLIENT_GONE
+
+
+@dataclass
+class Waiting:
+    """An app that sets the hook's callback, then waits (as a relay waits on its upstream)
+    without listening on receive()."""
+
+    respond_first: bool = False  # the response has begun (a stream) when the client leaves
+    fired: list[float] = field(default_factory=list)
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        hook: ClientGoneHook = scope["extensions"][CLIENT_GONE]
+
+        def gone() -> None:
+            self.fired.append(time.monotonic())
+            self.wake.set()
+
+        hook.callback = gone
+        if self.respond_first:
+            await send_start_with_body(scope, send, [], b"data: hi\n\n", more_body=True)
+        self.waiting.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), 10)
+
+
+def reset_on_close(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.parametrize("respond_first", [False, True], ids=["before-response", "mid-stream"])
+@pytest.mark.parametrize("close", ["fin", "reset"])
+async def test_client_closing_while_the_app_waits_fires_the_callback_once(
+    respond_first: bool, close: str
+) -> None:
+    app = Waiting(respond_first=respond_first)
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(5):
+            reader, writer = await asyncio.open_connection(*address(url))
+            writer.write(get())
+            await app.waiting.wait()
+            if respond_first:
+                await reader.readuntil(b"data: hi\n\n")
+            if close == "reset":
+                reset_on_close(writer)
+            writer.close()
+            closed_at = time.monotonic()
+            await until(lambda: bool(app.fired), 1.0)
+            assert len(app.fired) == 1
+            assert app.fired[0] - closed_at < 1.0
+            await asyncio.sleep(0.1)  # nothing fires it again
+    assert len(app.fired) == 1
+
+
+async def test_client_closing_after_a_complete_response_fires_no_callback() -> None:
+    fired: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope["extensions"][CLIENT_GONE].callback = lambda: fired.append(scope["path"])
+        await send_start_with_body(scope, send, [], b"done", more_body=False)
+
+    recorder = Recorder()
+    async with serve_app(asgi(app), http=recording(NoDelayHttpToolsProtocol, recorder)) as url:
+        answers = await exchange(url, get("/a"), get("/b"))  # then the client closes
+        assert [a.body for a in answers] == [b"done", b"done"]
+        async with asyncio.timeout(5):
+            await recorder.lost.wait()
+        await asyncio.sleep(0.05)
+    assert fired == []
+
+
+async def test_client_closing_fires_only_the_callback_of_the_request_in_progress() -> None:
+    fired: list[str] = []
+    waiting = asyncio.Event()
+    wake = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+
+        def gone() -> None:
+            fired.append(path)
+            wake.set()
+
+        scope["extensions"][CLIENT_GONE].callback = gone
+        if path == "/done":
+            await send_start_with_body(scope, send, [], b"done", more_body=False)
+            return
+        waiting.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), 10)
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(5), connect(url) as (reader, writer):
+            writer.write(get("/done"))
+            assert (await read_response(reader)).body == b"done"
+            writer.write(get("/waits"))
+            await waiting.wait()
+        await until(lambda: bool(fired), 1.0)
+    assert fired == ["/waits"]
+
+
+# ---------------------------------------------------------------------------- plain uvicorn
+
+
+@contextlib.asynccontextmanager
+async def plain_gateway(upstream_url: str) -> AsyncIterator[tuple[str, Any]]:
+    """The gateway app under uvicorn's own protocol: no extensions, so its fallbacks run."""
+    app = create_app(build_policy(policy_for({"p": [upstream_url]})), environ={})
+    async with serve_app(app) as url:
+        await wait_ready(url)
+        yield url, app
+
+
+async def test_gateway_under_plain_uvicorn_relays_a_stream() -> None:
+    async with running(tokens=8) as up, plain_gateway(up.url) as (url, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "".join(f" tok{i}" for i in range(8))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_gateway_under_plain_uvicorn_closes_the_upstream_when_the_client_leaves() -> None:
+    async with running(tokens=500, interval_s=0.02) as up, plain_gateway(up.url) as (url, app):
+        async with httpx.AsyncClient(timeout=10) as client:
+            async with client.stream(
+                "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
+            ) as resp:
+                assert resp.status_code == 200
+                n = 0
+                async for _ in resp.aiter_lines():
+                    n += 1
+                    if n > 6:
+                        break
+            closed_at = time.monotonic()
+        await until(lambda: up.stats.disconnects > 0, 1.0)
+        assert up.stats.disconnects == 1
+        assert up.stats.disconnected_at[0] - closed_at < 1.0
+        replica = next(app.gateway.fleet.replicas())
+        await until(lambda: replica.in_flight == 0, 1.0)
+        assert replica.in_flight == 0
+
+
+# ---------------------------------------------------------------------------- request ids
+
+
+def test_request_id_from_nothing_is_24_distinct_lowercase_hex_digits() -> None:
+    ids = [request_id_from(None) for _ in range(10_000)]
+    assert all(re.fullmatch(r"[0-9a-f]{24}", i) for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert re.fullmatch(r"[0-9a-f]{24}", request_id_from(b""))
+
+
+def test_request_id_from_a_sane_client_id_keeps_it() -> None:
+    for sane in (b"abc-123", b"req_1.2:3", b"A" * 128, b"0f8c2e1a-9b7d-4c3e-8a1f-2b3c4d5e6f70"):
+        assert request_id_from(sane) == sane.decode()
+
+
+def test_request_id_from_an_insane_client_id_replaces_it() -> None:
+    for insane in (b"has space", b"A" * 129, b"new\nline", b'quote"', b"caf\xc3\xa9", b"a/b"):
+        replaced = request_id_from(insane)
+        assert re.fullmatch(r"[0-9a-f]{24}", replaced), insane

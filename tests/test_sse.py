@@ -1,0 +1,342 @@
+"""proxy.sse over vLLM's real streams: the splitter under every way a socket can cut a stream,
+and the few facts the relay reads from events (content, error, usage)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from loadtest.fake_upstream import stream_events
+from proxy import sse
+
+FIXTURES = Path(__file__).parent / "fixtures"
+STREAM_FIXTURES = (
+    "vllm_chat_stream.txt",
+    "vllm_chat_stream_v0_11.txt",
+    "vllm_chat_stream_error.txt",
+)
+
+
+def fixture(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
+
+def events_of(stream: bytes) -> list[bytes]:
+    """The oracle: a whole LF stream split at once (every event ends with a blank line)."""
+    assert stream.endswith(b"\n\n")
+    return stream[:-2].split(b"\n\n")
+
+
+def feed_all(buf: sse.EventBuffer, chunks: Iterable[bytes]) -> list[bytes]:
+    return [event for chunk in chunks for event in buf.feed(chunk)]
+
+
+def cut(stream: bytes, offsets: Iterable[int]) -> list[bytes]:
+    bounds = [0, *sorted(offsets), len(stream)]
+    return [stream[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def fake_stream() -> bytes:
+    return b"".join(stream_events(20, usage=True))
+
+
+def first_event(buf: sse.EventBuffer, chunk: bytes) -> bytes:
+    # The relay's way of stopping early: break out of the loop, which drops the generator.
+    for event in buf.feed(chunk):
+        return event
+    raise AssertionError("no complete event")
+
+
+# ---------------------------------------------------------------------------- EventBuffer
+
+
+@pytest.mark.parametrize("name", STREAM_FIXTURES)
+def test_event_buffer_yields_exactly_the_events_for_a_split_at_every_offset(name: str) -> None:
+    stream = fixture(name)
+    expected = events_of(stream)
+    assert len(expected) >= 5
+    for offset in range(len(stream) + 1):
+        assert feed_all(sse.EventBuffer(), cut(stream, [offset])) == expected, offset
+
+
+def test_event_buffer_yields_exactly_the_events_fed_one_byte_at_a_time() -> None:
+    stream = fake_stream()
+    chunks = [stream[i : i + 1] for i in range(len(stream))]
+    assert feed_all(sse.EventBuffer(), chunks) == events_of(stream)
+
+
+def test_event_buffer_yields_exactly_the_events_for_random_splits() -> None:
+    rng = random.Random(20260522)
+    streams = [fake_stream(), *(fixture(n) for n in STREAM_FIXTURES)]
+    for _ in range(400):
+        stream = rng.choice(streams)
+        offsets = rng.sample(range(len(stream) + 1), rng.randint(1, 30))
+        assert feed_all(sse.EventBuffer(), cut(stream, offsets)) == events_of(stream), offsets
+
+
+def test_event_buffer_keeps_an_unfinished_event_until_its_blank_line_arrives() -> None:
+    buf = sse.EventBuffer()
+    assert list(buf.feed(b'data: {"a":1}\n')) == []
+    assert list(buf.feed(b"")) == []
+    assert list(buf.feed(b"\n")) == [b'data: {"a":1}']
+    assert list(buf.feed(b"")) == []
+
+
+def test_event_buffer_stopped_early_yields_the_rest_with_the_next_feed() -> None:
+    stream = fake_stream()
+    expected = events_of(stream)
+    buf = sse.EventBuffer()
+    assert first_event(buf, stream) == expected[0]
+    # The rest is pending: a new read after it comes after it.
+    assert list(buf.feed(b"data: [DONE]\n\n")) == [*expected[1:], b"data: [DONE]"]
+
+
+def test_event_buffer_stopped_early_yields_the_rest_when_fed_nothing() -> None:
+    stream = fake_stream()
+    expected = events_of(stream)
+    buf = sse.EventBuffer()
+    assert first_event(buf, stream) == expected[0]
+    assert list(buf.feed(b"")) == expected[1:]
+    assert list(buf.feed(b"")) == []
+
+
+def test_event_buffer_closed_generator_keeps_what_it_did_not_yield() -> None:
+    stream = fixture("vllm_chat_stream.txt")
+    expected = events_of(stream)
+    buf = sse.EventBuffer()
+    gen = buf.feed(stream[:-5])  # the last event ([DONE]) cut short
+    assert [next(gen), next(gen)] == expected[:2]
+    gen.close()
+    assert list(buf.feed(stream[-5:])) == expected[2:]
+
+
+def test_event_buffer_readers_stopping_at_random_points_lose_and_repeat_nothing() -> None:
+    rng = random.Random(7)
+    stream = fake_stream()
+    expected = events_of(stream)
+    for _ in range(200):
+        buf = sse.EventBuffer()
+        got: list[bytes] = []
+        for chunk in cut(stream, rng.sample(range(len(stream)), rng.randint(1, 12))):
+            take = rng.randint(1, 3)
+            for event in buf.feed(chunk):
+                got.append(event)  # a yielded event is the reader's, even the last it takes
+                take -= 1
+                if take == 0:
+                    break
+        got += feed_all(buf, [b""])  # the end of the stream: whatever is still pending
+        assert got == expected
+
+
+def test_event_buffer_accepts_crlf_line_ends_split_at_every_offset() -> None:
+    lf = fixture("vllm_chat_stream.txt")
+    crlf = lf.replace(b"\n", b"\r\n")
+    expected = events_of(lf)
+    assert feed_all(sse.EventBuffer(), [crlf]) == expected
+    for offset in range(len(crlf) + 1):
+        assert feed_all(sse.EventBuffer(), cut(crlf, [offset])) == expected, offset
+
+
+def test_event_buffer_joins_a_crlf_split_between_two_feeds() -> None:
+    buf = sse.EventBuffer()
+    assert list(buf.feed(b'data: {"a":1}\r\n\r')) == []
+    assert list(buf.feed(b'\ndata: {"b":2}\r')) == [b'data: {"a":1}']
+    assert list(buf.feed(b"\n\r\n")) == [b'data: {"b":2}']
+
+
+def test_event_buffer_accepts_crlf_after_a_reader_stopped_early() -> None:
+    crlf = fixture("vllm_chat_stream_error.txt").replace(b"\n", b"\r\n")
+    expected = events_of(fixture("vllm_chat_stream_error.txt"))
+    buf = sse.EventBuffer()
+    assert first_event(buf, crlf[:-3]) == expected[0]
+    assert list(buf.feed(crlf[-3:])) == expected[1:]
+
+
+# ---------------------------------------------------------------------------- parse_event
+
+
+def test_parse_event_reads_each_fixture_event_as_its_json() -> None:
+    events = events_of(fixture("vllm_chat_stream.txt"))
+    objs = [sse.parse_event(e) for e in events]
+    assert objs[-1] is sse.DONE
+    for event, obj in zip(events[:-1], objs[:-1], strict=True):
+        assert obj == json.loads(event[len(b"data: ") :])
+        assert obj["object"] == "chat.completion.chunk"
+
+
+def test_parse_event_reads_the_spaced_error_event() -> None:
+    events = events_of(fixture("vllm_chat_stream_error.txt"))
+    assert sse.parse_event(events[-2])["error"]["code"] == 500
+    assert sse.parse_event(events[-1]) is sse.DONE
+
+
+def test_parse_event_accepts_data_without_a_space_and_other_fields() -> None:
+    assert sse.parse_event(b'data:{"a":1}') == {"a": 1}
+    assert sse.parse_event(b'event: message\nid: 3\ndata: {"a":1}') == {"a": 1}
+    assert sse.parse_event(b"data:[DONE]") is sse.DONE
+
+
+def test_parse_event_of_a_comment_only_event_is_none() -> None:
+    assert sse.parse_event(b": ping") is None
+    assert sse.parse_event(b": keep-alive\n: another") is None
+    assert sse.parse_event(b"") is None
+
+
+def test_parse_event_joins_multi_line_data_with_newlines() -> None:
+    assert sse.event_data(b"data: one\ndata: two") == b"one\ntwo"
+    assert sse.parse_event(b'data: {"a":\ndata: [1,\ndata: 2]}') == {"a": [1, 2]}
+    # The newline is part of the payload: a string split across lines is not valid JSON.
+    assert sse.parse_event(b'data: {"a": "x\ndata: y"}') is None
+
+
+def test_parse_event_of_invalid_json_is_none() -> None:
+    assert sse.parse_event(b"data: {not json") is None
+    assert sse.parse_event(b'data: {"choices": [}') is None
+    assert sse.parse_event(b"data: \xff\xfe") is None
+
+
+# ---------------------------------------------------------------------------- chunk facts
+
+
+def chunk(delta: dict | None = None, **choice: object) -> dict:
+    c: dict = {"index": 0, **choice}
+    if delta is not None:
+        c["delta"] = delta
+    return {"object": "chat.completion.chunk", "choices": [c]}
+
+
+def test_carries_content_follows_the_fixture_stream() -> None:
+    objs = [sse.parse_event(e) for e in events_of(fixture("vllm_chat_stream.txt"))]
+    flags = [sse.carries_content(o) for o in objs]
+    # Role chunk, content chunks, finish chunk (content ""), usage chunk (no choices), [DONE].
+    assert flags[0] is False
+    assert all(flags[1:-3])
+    assert flags[-3:] == [False, False, False]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        chunk({"content": ""}),
+        chunk({"content": None}),
+        chunk({"role": "assistant"}),
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"tool_calls": []}),
+        chunk({}, finish_reason="stop"),
+        chunk(text=""),
+        {"choices": [], "usage": {"total_tokens": 3}},
+        {"choices": "x"},
+        {"choices": [None, 3, "x"]},
+        {"choices": [{"delta": "content"}]},
+        {"error": {"message": "boom"}},
+        None,
+        sse.DONE,
+        "data",
+        [chunk({"content": "x"})],
+    ],
+)
+def test_carries_content_is_false_without_content(obj: object) -> None:
+    assert sse.carries_content(obj) is False
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        chunk({"content": "x"}),
+        chunk({"role": "assistant", "content": "Hi"}),
+        chunk({"reasoning_content": "thinking"}),
+        chunk({"reasoning": "thinking"}),
+        chunk({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ""}}]}),
+        chunk({"audio": {"data": "AAAA"}}),
+        chunk(text="x"),  # completions
+        {"choices": [{"index": 0, "delta": {"content": ""}}, {"index": 1, "text": "y"}]},
+    ],
+)
+def test_carries_content_is_true_with_content(obj: object) -> None:
+    assert sse.carries_content(obj) is True
+
+
+def test_is_error_only_for_an_error_object_without_choices() -> None:
+    error_event = events_of(fixture("vllm_chat_stream_error.txt"))[-2]
+    assert sse.is_error(sse.parse_event(error_event)) is True
+    assert sse.is_error({"error": "boom"}) is True
+    assert sse.is_error(chunk({"content": "x"})) is False
+    assert sse.is_error({"error": None, "choices": []}) is False
+    assert sse.is_error(sse.DONE) is False
+    assert sse.is_error(None) is False
+    assert sse.is_error(["error"]) is False
+
+
+# ---------------------------------------------------------------------------- usage, errors
+
+
+def test_last_usage_reads_the_usage_chunk_before_done() -> None:
+    stream = fixture("vllm_chat_stream.txt")
+    usage = {"prompt_tokens": 34, "total_tokens": 42, "completion_tokens": 8}
+    assert sse.last_usage(stream) == usage
+    assert sse.last_usage(stream[-600:]) == usage  # the relay keeps only a tail
+    assert sse.last_usage(fixture("vllm_chat_stream_v0_11.txt")) == usage
+
+
+def test_last_usage_of_a_long_fake_stream_tail() -> None:
+    stream = b"".join(stream_events(300, usage=True))
+    tail = stream[-2048:]
+    assert sse.last_usage(tail) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 300,
+        "total_tokens": 310,
+    }
+
+
+def test_last_usage_takes_the_last_of_several_usage_chunks() -> None:
+    # stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    events = [
+        json.dumps({"choices": [{"delta": {"content": "x"}}], "usage": {"completion_tokens": n}})
+        for n in (1, 2, 3)
+    ]
+    tail = b"".join(b"data: " + e.encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    assert sse.last_usage(tail) == {"completion_tokens": 3}
+
+
+def test_last_usage_is_none_without_a_usage_chunk() -> None:
+    assert sse.last_usage(b"".join(stream_events(20))) is None
+    assert sse.last_usage(fixture("vllm_chat_stream_error.txt")) is None
+    assert sse.last_usage(b"") is None
+    # A tail that starts inside the usage event cannot be parsed: no guess.
+    stream = fixture("vllm_chat_stream.txt")
+    assert sse.last_usage(stream[stream.rfind(b'"usage"') - 10 :]) is None
+    assert sse.last_usage(b'data: {"choices":[],"usage":null}\n\ndata: [DONE]\n\n') is None
+
+
+def test_last_usage_reads_a_crlf_tail() -> None:
+    crlf = fixture("vllm_chat_stream.txt").replace(b"\n", b"\r\n")
+    assert sse.last_usage(crlf) == {"prompt_tokens": 34, "total_tokens": 42, "completion_tokens": 8}
+
+
+def test_error_event_is_an_openai_error_then_done() -> None:
+    raw = sse.error_event("replica went away")
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    events = list(sse.EventBuffer().feed(raw))
+    assert len(events) == 2
+    obj = sse.parse_event(events[0])
+    assert obj == {
+        "error": {
+            "message": "replica went away",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert sse.is_error(obj)
+    assert sse.parse_event(events[1]) is sse.DONE
+
+
+def test_error_event_carries_the_given_type_and_code() -> None:
+    events = list(sse.EventBuffer().feed(sse.error_event('a "quoted"\nline', "Timeout", 504)))
+    err = sse.parse_event(events[0])["error"]
+    assert (err["message"], err["type"], err["code"]) == ('a "quoted"\nline', "Timeout", 504)
