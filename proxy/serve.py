@@ -12,7 +12,7 @@ import time
 from types import FrameType
 
 import uvicorn
-from starlette.types import ASGIApp, Message
+from starlette.types import Message
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from .app import Gateway, configure_logging, create_app
@@ -90,14 +90,20 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
 
     def on_headers_complete(self) -> None:
-        self.scope["extensions"] = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: ClientGoneHook()}
         super().on_headers_complete()
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGIApp) -> None:
-        # Before the app's task exists (a pipelined request starts here later, too).
+        # The request's cycle exists now and its app task has not run yet (a pipelined one
+        # starts later). The extensions are advertised only when the cycle really is ours: a
+        # uvicorn that built its cycle another way gets plain ASGI from the relay, never a
+        # start whose body the server would drop.
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not self.scope:
+            return  # an upgrade, or nothing new
         if type(cycle) is RequestResponseCycle:
             cycle.__class__ = CoalescingCycle
-        super()._start_asgi_task(cycle, app)
+        if type(cycle) is CoalescingCycle:
+            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: ClientGoneHook()}
+            theirs = self.scope.get("extensions")
+            self.scope["extensions"] = {**theirs, **ours} if theirs else ours
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
