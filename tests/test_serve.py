@@ -189,9 +189,13 @@ async def until(condition: Callable[[], bool], timeout_s: float) -> None:
 # ---------------------------------------------------------------------------- scope
 
 
+SEEN_HOOKS: list[Any] = []  # kept alive, so two hooks' ids can only match if they are one
+
+
 async def echo_extensions(scope: dict[str, Any], receive: Any, send: Any) -> None:
     ext = scope.get("extensions") or {}
     hook = ext.get(CLIENT_GONE)
+    SEEN_HOOKS.append(hook)
     body = json.dumps(
         {
             "keys": sorted(ext),
