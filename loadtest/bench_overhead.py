@@ -1,6 +1,7 @@
 """Core overhead benchmark: the same load direct to a fast fake vLLM and through the gateway.
 
-The gateway runs as ``make run`` runs it (``python -m proxy serve``: uvloop, httptools); each
+The gateway runs as ``make run`` runs it (``python -m proxy serve``: uvloop, httptools, the
+access log on); each
 upstream is a separate process (``loadtest.fake_upstream``); the load generator is raw asyncio
 on uvloop in this process (httpx is too slow to generate load). Each configuration is repeated
 and the median printed.
@@ -247,8 +248,9 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
                     "serve",
                     "--config",
                     str(path),
+                    # As `make run`: info, so the access log writes its line per request.
                     "--log-level",
-                    "warning",
+                    "info",
                 ],
                 log=Path(tmp) / "gw.log",
             )

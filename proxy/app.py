@@ -30,6 +30,8 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from . import validate
+from .accesslog import AccessLog
+from .accesslog import logger as access_log
 from .admission import Admission
 from .asgi_ext import CLIENT_GONE, START_WITH_BODY
 from .auth import ClientKeys, Guard
@@ -51,7 +53,6 @@ from .relay import DROP_UPSTREAM, Call, Relay, make_client
 from .shared import FleetView, shared_state_for
 
 log = logging.getLogger("tokenlane")
-access_log = logging.getLogger("tokenlane.access")
 
 now = time.perf_counter
 
@@ -104,6 +105,7 @@ class Gateway:
         self.metrics = Metrics()
         self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
         self.estimator = Estimator.from_config(policy.estimate)
+        self.access = AccessLog()
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances (issue 7).
@@ -222,6 +224,7 @@ class Gateway:
         await self.shared.stop()
         await self.client.aclose()
         await self.health_client.aclose()
+        self.access.flush()
 
     def begin_shutdown(self) -> None:
         """From now on ``/ready`` fails and new requests get 503: a drain has started."""
@@ -261,31 +264,8 @@ class Gateway:
             if isinstance(reported, int) and reported > 0:
                 m.series(m.prompt_tokens_reported, pool).inc(reported)
                 self.estimator.observe(profile, reported)
-        completion = usage.get("completion_tokens") if usage else None
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        record = {
-            "ts": round(time.time(), 3),
-            "request_id": call.request_id,
-            "path": call.path,
-            "lane": lane,
-            "pool": call.pool,
-            "replica": replica or None,
-            "status": call.status,
-            "stream": call.stream,
-            "model": call.model,
-            "prompt_tokens_est": profile.prompt_tokens_est if profile else None,
-            "prompt_tokens": reported,
-            "output_tokens": completion,
-            "content_chunks": call.content_chunks if call.stream else None,
-            "queue_wait_ms": round(call.queue_wait_s * 1000, 2),
-            "ttft_ms": round(call.ttft_s * 1000, 2) if call.ttft_s is not None else None,
-            "duration_ms": round(duration * 1000, 2),
-            "retries": call.retries,
-            "error": call.error,
-            "client_disconnected": call.disconnected or None,
-        }
-        access_log.info(json.dumps(record, separators=(",", ":")))  # the one line per request
+        if self.access.enabled:
+            self.access.add(call, duration)  # the one line per request, written off this path
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -678,6 +658,10 @@ def configure_logging(level: str = "info") -> None:
     if root.handlers:
         return
     root.setLevel(level.upper())
+    # One process, one thread: not worth a lookup on every log line (the access log's).
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     access_log.addHandler(handler)

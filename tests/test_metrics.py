@@ -3,9 +3,11 @@ retry, a spill, a rejection, an ejection), and `promtool check metrics` accepts 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -142,6 +144,10 @@ def test_histograms_resolve_5ms_to_60s() -> None:
     assert LATENCY_BUCKETS[0] <= 0.005 and LATENCY_BUCKETS[-1] >= 60
 
 
+def has_access_line(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(rec.name == "tokenlane.access" for rec in caplog.records)
+
+
 async def test_access_log_is_one_json_line_per_request_without_secrets(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -155,6 +161,10 @@ async def test_access_log_is_one_json_line_per_request_without_secrets(
                         headers={"authorization": "Bearer sk-secret-key", "x-request-id": "r-1"},
                     )
                     assert r.status_code == 200
+                # Lines are written within FLUSH_S, off the request's path.
+                deadline = time.monotonic() + 2
+                while not has_access_line(caplog) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokenlane.access"]
     assert len(lines) == 1
     record = json.loads(lines[0])
