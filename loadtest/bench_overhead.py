@@ -1,10 +1,9 @@
 """Core overhead benchmark: the same load direct to a fast fake vLLM and through the gateway.
 
 The gateway runs as ``make run`` runs it (``python -m proxy serve``: uvloop, httptools, the
-access log on); each
-upstream is a separate process (``loadtest.fake_upstream``); the load generator is raw asyncio
-on uvloop in this process (httpx is too slow to generate load). Each configuration is repeated
-and the median printed.
+access log on); each upstream is a separate process (``loadtest.fake_upstream``); the load
+generator is raw asyncio on uvloop in this process (httpx is too slow to generate load). Each
+configuration is repeated and the median printed.
 
 - burst: two upstreams send a 64-token stream in one write; TTFT p50/p99, req/s and the
   gateway's CPU ms per request (from /proc) at concurrency 1, 16, 64;
