@@ -2,10 +2,11 @@
 
 A request's line is queued when the request ends and written, with every line queued by then,
 within ``FLUSH_S`` (as Envoy's file access log flushes on an interval) or as soon as
-``MAX_QUEUED`` lines wait. Building and writing a line costs tens of microseconds: written on
-the spot, that work sat between a response and the next request on its connection, adding
-0.1 ms to every request at concurrency 1. Lines go through the ``tokenlane.access`` logger, so
-they reach whatever handlers the process configures; ``flush()`` runs on shutdown.
+``MAX_QUEUED`` lines wait; a process killed outright loses at most the last ``FLUSH_S``.
+Building and writing a line costs tens of microseconds: written on the spot, that work sat
+between a response and the next request on its connection, adding 0.1 ms to every request at
+concurrency 1. Lines go through the ``tokenlane.access`` logger, so they reach whatever
+handlers the process configures; ``close()`` runs on shutdown.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class AccessLog:
         self.log = log
         self._queued: list[tuple[Call, float, float]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
 
     @property
     def enabled(self) -> bool:
@@ -38,7 +40,7 @@ class AccessLog:
     def add(self, call: Call, duration_s: float) -> None:
         """Queue ``call``'s line (the call is done: nothing in it changes any more)."""
         self._queued.append((call, duration_s, time.time()))
-        if len(self._queued) >= MAX_QUEUED:
+        if self._closed or len(self._queued) >= MAX_QUEUED:
             self.flush()
         elif self._timer is None:
             try:
@@ -47,6 +49,12 @@ class AccessLog:
                 self.flush()
                 return
             self._timer = loop.call_later(FLUSH_S, self.flush)
+
+    def close(self) -> None:
+        """Write what waits; from now on every line is written at once (no timer is left
+        behind on a loop that is ending)."""
+        self._closed = True
+        self.flush()
 
     def flush(self) -> None:
         if self._timer is not None:

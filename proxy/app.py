@@ -217,14 +217,16 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._watch_policy_file()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.admission.close()
-        await self.health.stop()
-        await self.shared.stop()
-        await self.client.aclose()
-        await self.health_client.aclose()
-        self.access.flush()
+        try:
+            for task in self._tasks:
+                task.cancel()
+            await self.admission.close()
+            await self.health.stop()
+            await self.shared.stop()
+            await self.client.aclose()
+            await self.health_client.aclose()
+        finally:
+            self.access.close()
 
     def begin_shutdown(self) -> None:
         """From now on ``/ready`` fails and new requests get 503: a drain has started."""
@@ -470,7 +472,7 @@ class RelayEndpoint:
             lane = match_lane(profile, policy.lanes).lane
         else:
             lane = policy.lanes[-1]
-            if _is_json(headers) and raw:
+            if raw and validate.is_json_body(headers):
                 with contextlib.suppress(Exception):
                     body = validate.parse_json_object(raw)
                     m = body.get("model")
@@ -497,13 +499,6 @@ class RelayEndpoint:
             wants_usage=wants_usage,
             received_at=received_at,
         )
-
-
-def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    for k, v in headers:
-        if k == b"content-type":
-            return v.startswith(b"application/json")
-    return False
 
 
 # ---------------------------------------------------------------------------- other routes

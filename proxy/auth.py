@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from . import validate
 from .classify import output_tokens_for
 from .errors import Rejected, Unauthorized
 from .ratelimit import RateLimiter
@@ -85,23 +86,16 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 
 def request_tokens(call: Call, chars_per_token: float) -> int:
     """What a request counts against ``tokens_per_min``: its estimated prompt tokens plus the
-    output tokens it may generate (its max tokens, else the lane's default). A relayed JSON
-    request without a profile (embeddings, tokenize, ...) counts its body at
-    ``chars_per_token``; any other body (a multipart audio upload) is not text and counts
-    nothing, only against ``requests_per_min``."""
+    output tokens it may generate (its max tokens, else the lane's default). A relayed request
+    without a profile (embeddings, tokenize, ...) counts its body at ``chars_per_token``, except
+    a multipart form (an audio upload): that is not text, and counts only against
+    ``requests_per_min``."""
     profile = call.profile
     if profile is None:
-        if not _is_json(call.headers):
+        if validate.media_type(call.headers) == b"multipart/form-data":
             return 0
         return math.ceil(len(call.body) / chars_per_token)
     return profile.prompt_tokens_est + (output_tokens_for(profile, call.lane) or 0)
-
-
-def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    for key, value in headers:
-        if key == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return False
 
 
 class Guard:

@@ -125,7 +125,9 @@ def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession
             # What the client sent goes upstream, nothing of aiohttp's own: its default
             # "Accept-Encoding: gzip, deflate" would invite a compressed answer that the relay
             # passes on, raw, to a client that never asked for one.
-            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),
+            # (and its "Content-Type: application/octet-stream" on a body sent without one,
+            # which vLLM, reading such a body as JSON, would refuse).
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
         )
 
     return make
@@ -383,7 +385,8 @@ class Relay:
                 headers=self._upstream_headers(call, replica),
                 extensions={"timeout": self._timeout(call.lane, call.stream)},
             )
-            call.overhead_s = now() - call.received_at  # observed with the outcome
+            if call.overhead_s is None:  # arrival to the first send, retries apart
+                call.overhead_s = now() - call.received_at
             # The first-token watchdog (streams only) runs from the attempt's start: a replica
             # that withholds its status line is as silent as one withholding its first token.
             # It fires at the request's deadline at the latest, and is switched off just
@@ -422,7 +425,11 @@ class Relay:
                         f"{replica.name} sent no token before the request's deadline "
                         f"(retry.deadline_s={self.gw.policy.retry.deadline_s:g})"
                     )
-                    raise RetryableFailure("first_token_timeout", None, detail) from None
+                    # No retry: the deadline has passed (uvloop's millisecond timers may fire a
+                    # hair before loop.time() reaches it, so the loop's own check can miss).
+                    raise RetryableFailure(
+                        "first_token_timeout", None, detail, retry=False
+                    ) from None
                 failure = "first_token_timeout"
                 detail = f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s"
                 raise RetryableFailure("first_token_timeout", failure, detail) from None

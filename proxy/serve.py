@@ -31,22 +31,32 @@ def tune_gc() -> None:
 
 
 class _Capture:
-    """Stands in for the connection's transport while one message's writes are collected."""
+    """Stands in for the connection's transport while one message's writes are collected;
+    ``flush`` sends them in one vectored write. A close (``Connection: close``) flushes and
+    closes at once, as uvicorn expects before it looks for the next request."""
 
-    __slots__ = ("closed", "parts")
+    __slots__ = ("closed", "parts", "transport")
 
-    def __init__(self) -> None:
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
         self.parts: list[bytes] = []
         self.closed = False
 
     def write(self, data: bytes) -> None:
         self.parts.append(data)
 
+    def flush(self) -> None:
+        if self.parts:
+            self.transport.writelines(self.parts)  # one write, no joined copy
+            self.parts = []
+
     def close(self) -> None:
+        self.flush()
+        self.transport.close()
         self.closed = True
 
     def is_closing(self) -> bool:
-        return False
+        return self.closed or self.transport.is_closing()
 
 
 class CoalescingCycle(RequestResponseCycle):
@@ -63,7 +73,7 @@ class CoalescingCycle(RequestResponseCycle):
             await super().send(message)
             return
         transport = self.transport
-        capture = _Capture()
+        capture = _Capture(transport)
         self.transport = capture  # type: ignore[assignment]
         try:
             await super().send(message)
@@ -71,10 +81,8 @@ class CoalescingCycle(RequestResponseCycle):
             await super().send({"type": "http.response.body", "body": body, "more_body": more})
         finally:
             self.transport = transport
-        if capture.parts and not self.disconnected:
-            transport.writelines(capture.parts)  # one vectored write, no joined copy
-        if capture.closed:
-            transport.close()
+        if not self.disconnected:
+            capture.flush()
 
 
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
@@ -88,6 +96,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
+        self._hooks: list[tuple[RequestResponseCycle, ClientGoneHook]] = []
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -101,18 +110,22 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         if type(cycle) is RequestResponseCycle:
             cycle.__class__ = CoalescingCycle
         if type(cycle) is CoalescingCycle:
-            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: ClientGoneHook()}
+            hook = ClientGoneHook()
+            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook}
             theirs = self.scope.get("extensions")
             self.scope["extensions"] = {**theirs, **ours} if theirs else ours
+            # Every request of the connection not answered yet: with pipelining, the one
+            # running is no longer ``self.cycle`` (the last one parsed) when the client leaves.
+            live = [(c, h) for c, h in self._hooks if not c.response_complete]
+            live.append((cycle, hook))
+            self._hooks = live
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
         super().connection_lost(exc)
-        if cycle is not None and not cycle.response_complete:
-            extensions = cycle.scope.get("extensions")
-            hook = extensions.get(CLIENT_GONE) if extensions else None
-            if isinstance(hook, ClientGoneHook):
+        for cycle, hook in self._hooks:
+            if not cycle.response_complete:
                 hook.fire()
+        self._hooks = []
 
 
 def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.Config:

@@ -7,9 +7,29 @@ everything else is vLLM's to judge, and the body is forwarded byte for byte eith
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import BadRequest
+
+
+def media_type(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The request's media type, lower-cased and without parameters; None when it has none."""
+    for key, value in headers:
+        if key == b"content-type":
+            return value.split(b";", 1)[0].strip().lower()
+    return None
+
+
+def is_json_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """A body vLLM reads as JSON: ``application/json``, ``application/<x>+json``, or one with
+    no Content-Type at all (FastAPI parses those as JSON too)."""
+    kind = media_type(headers)
+    return (
+        kind is None
+        or kind == b"application/json"
+        or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+    )
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -82,11 +82,18 @@ def test_without_a_running_loop_the_line_is_written_at_once(log: tuple[AccessLog
     assert len(lines.lines) == 1
 
 
-async def test_flush_writes_what_waits_and_nothing_twice(log: tuple[AccessLog, Lines]) -> None:
+async def test_close_writes_what_waits_and_nothing_twice(log: tuple[AccessLog, Lines]) -> None:
     access, lines = log
     access.add(a_call(), 0.1)
-    access.flush()  # as the gateway's stop does
+    access.close()  # as the gateway's stop does
     await asyncio.sleep(FLUSH_S * 3)
+    assert len(lines.lines) == 1
+
+
+async def test_after_close_a_line_is_written_at_once(log: tuple[AccessLog, Lines]) -> None:
+    access, lines = log
+    access.close()
+    access.add(a_call(), 0.1)  # a request that ended during shutdown
     assert len(lines.lines) == 1
 
 

@@ -5,6 +5,7 @@ x-ratelimit-* headers, limits off without keys)."""
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -315,6 +316,16 @@ async def test_an_audio_upload_counts_no_tokens_but_a_json_body_does() -> None:
                     headers=a,
                     json={"model": CHAT["model"], "input": "x" * 8_000},
                 )
+                # vLLM reads these as JSON too: they count like one.
+                others = [
+                    await client.post(
+                        url + "/v1/embeddings",
+                        headers={**a, **({"content-type": ctype} if ctype else {})},
+                        content=json.dumps({"model": CHAT["model"], "input": "x" * 8_000}),
+                    )
+                    for ctype in ("application/vnd.api+json", "Application/JSON; charset=utf-8", "")
+                ]
     assert audio.status_code == 200
     assert audio.headers["x-ratelimit-remaining-tokens"] == "1000"
     assert text.status_code == 429 and "too large" in text.json()["error"]["message"]
+    assert [r.status_code for r in others] == [429, 429, 429]

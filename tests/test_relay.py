@@ -513,3 +513,21 @@ async def test_upstream_gets_the_clients_headers_and_none_of_the_relays_own() ->
     (_, headers), *_ = chat_requests(up)
     assert set(headers) == {"host", "x-trace", "content-type", "content-length", "x-request-id"}
     assert headers["content-length"] == str(len(body))
+
+
+async def test_a_body_sent_without_content_type_goes_upstream_without_one() -> None:
+    # aiohttp would label it application/octet-stream, which vLLM refuses to read as JSON.
+    async with running(tokens=3) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            host, port = url.split("//")[1].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps(CHAT).encode()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            await writer.drain()
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+            writer.close()
+    (_, headers), *_ = chat_requests(up)
+    assert "content-type" not in headers

@@ -459,6 +459,45 @@ async def test_client_closing_fires_only_the_callback_of_the_request_in_progress
     assert fired == ["/waits"]
 
 
+async def test_the_running_request_hears_of_the_client_leaving_with_another_pipelined() -> None:
+    # uvicorn's ``cycle`` is the last request parsed: with a second request pipelined behind a
+    # running stream, that is the queued one, not the one whose upstream must be cancelled.
+    # (uvicorn stops reading while a request waits behind another, so the loss shows at the
+    # stream's next write, not at once.)
+    fired: list[str] = []
+    waiting = asyncio.Event()
+    wake = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+
+        def gone() -> None:
+            fired.append(path)
+            wake.set()
+
+        scope["extensions"][CLIENT_GONE].callback = gone
+        await send_start_with_body(scope, send, [], b"data: hi\n\n", more_body=True)
+        waiting.set()
+        for _ in range(200):  # a stream: a chunk every 50 ms
+            if wake.is_set():
+                return
+            await asyncio.sleep(0.05)
+            await send({"type": "http.response.body", "body": b"data: more\n\n", "more_body": True})
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(5):
+            reader, writer = await asyncio.open_connection(*address(url))
+            writer.write(get("/running") + get("/queued"))
+            await waiting.wait()
+            await reader.readuntil(b"data: hi\n\n")
+            reset_on_close(writer)
+            writer.close()
+            closed_at = time.monotonic()
+            await until(lambda: bool(fired), 1.0)
+            assert time.monotonic() - closed_at < 1.0
+    assert fired == ["/running"]
+
+
 # ---------------------------------------------------------------------------- plain uvicorn
 
 
