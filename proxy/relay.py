@@ -370,7 +370,7 @@ class Relay:
         response: httpx.Response | None = None
         try:
             if call.query:
-                url = httpx.URL(replica.url + call.path + "?" + call.query.decode("latin-1"))
+                url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
             else:
                 url = self._urls.get((replica.url, call.path))
                 if url is None:
@@ -728,6 +728,14 @@ def _reached_replica(exc: BaseException) -> bool:
         return False  # not HTTP: see the caller
     # Without aiohttp underneath: httpx's own classes say the phase.
     return not isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+
+
+def query_text(raw: bytes) -> str:
+    """A query string as it came, for a URL: bytes a client left unencoded (non-ASCII) are
+    percent-encoded as themselves, never decoded and re-encoded as other characters."""
+    if raw.isascii():
+        return raw.decode("ascii")
+    return "".join(chr(b) if b < 0x80 else f"%{b:02X}" for b in raw)
 
 
 def _is_event_stream(response: httpx.Response) -> bool:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
+from proxy.relay import query_text
 
 from .gateway import content_of, gateway_process, policy_for, rss_bytes, running_gateway
 from .servers import free_port
@@ -531,3 +532,16 @@ async def test_a_body_sent_without_content_type_goes_upstream_without_one() -> N
             writer.close()
     (_, headers), *_ = chat_requests(up)
     assert "content-type" not in headers
+
+
+@pytest.mark.parametrize(
+    ("raw", "sent"),
+    [
+        (b"q=%C3%A9&x=a+b", "q=%C3%A9&x=a+b"),  # already encoded: unchanged
+        ("q=é".encode(), "q=%C3%A9"),  # raw UTF-8: its own bytes, encoded
+        (b"a=\xff", "a=%FF"),  # not UTF-8 at all: still its own byte
+    ],
+)
+def test_a_query_string_goes_upstream_as_its_own_bytes(raw: bytes, sent: str) -> None:
+    url = httpx.URL("http://replica:8000/v1/models?" + query_text(raw))
+    assert url.query.decode() == sent
