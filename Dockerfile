@@ -11,7 +11,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY proxy ./proxy
 COPY loadtest ./loadtest
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir .
+    && /opt/venv/bin/pip install --no-cache-dir '.[tokenizer]'
 
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from .balance import rendezvous_order
 from .config import EstimateConfig, LaneConfig, Policy
+from .tokens import TokenCounter, load_counter
 
 __all__ = [
     "Estimator",
@@ -103,6 +104,7 @@ class Estimator:
         "_default",
         "_ratios",
         "alpha",
+        "counter",
         "image_tokens",
         "max_models",
         "max_ratio",
@@ -120,6 +122,7 @@ class Estimator:
         max_ratio: float = 8.0,
         min_chars: int = 200,
         max_models: int = 1024,
+        counter: TokenCounter | None = None,
     ) -> None:
         if chars_per_token <= 0:
             raise ValueError("chars_per_token must be positive")
@@ -131,10 +134,14 @@ class Estimator:
         self.min_chars = min_chars
         self.max_models = max_models
         self._ratios: dict[str | None, float] = {}
+        # Exact text counts from estimate.tokenizer_file; the ratios then serve nothing but
+        # the learning that goes on regardless.
+        self.counter = counter
 
     @classmethod
     def from_config(cls, cfg: EstimateConfig) -> Estimator:
-        return cls(cfg.chars_per_token, cfg.image_tokens)
+        counter = load_counter(cfg.tokenizer_file) if cfg.tokenizer_file else None
+        return cls(cfg.chars_per_token, cfg.image_tokens, counter=counter)
 
     def configure(self, cfg: EstimateConfig) -> None:
         """Apply a reloaded ``estimate`` section, keeping what was learned."""
@@ -207,34 +214,38 @@ def _audio_tokens(part: dict[str, Any]) -> int:
     return max(1, math.ceil(seconds * AUDIO_TOKENS_PER_S))
 
 
-def _tool_calls_chars(tool_calls: list[Any]) -> int:
-    """Characters of an assistant message's tool calls (function names and JSON arguments)."""
+def _tool_calls_chars(tool_calls: list[Any], texts: list[str] | None) -> int:
+    """Characters of an assistant message's tool calls (function names and JSON arguments);
+    the texts themselves go to ``texts`` when a tokenizer counts them."""
     chars = 0
     for call in tool_calls:
         if type(call) is not dict:
             continue
         fn = call.get("function")
         if type(fn) is dict:
-            name = fn.get("name")
-            args = fn.get("arguments")
-            if type(name) is str:
-                chars += len(name)
-            if type(args) is str:
-                chars += len(args)
+            for text in (fn.get("name"), fn.get("arguments")):
+                if type(text) is str:
+                    chars += len(text)
+                    if texts is not None:
+                        texts.append(text)
     return chars
 
 
-def _json_chars(value: Any) -> int:
+def _json_chars(value: Any, texts: list[str] | None) -> int:
     try:
-        return len(json.dumps(value, ensure_ascii=False))
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):  # not from JSON (a caller's own object): count its repr
-        return len(str(value))
+        text = str(value)
+    if texts is not None:
+        texts.append(text)
+    return len(text)
 
 
 def _profile_chat(
-    body: dict[str, Any], max_prefix_chars: int
+    body: dict[str, Any], max_prefix_chars: int, texts: list[str] | None = None
 ) -> tuple[int, int, int, int, int, int, str]:
-    """(chars, messages, images, audio parts, audio tokens, videos, head) of a chat body.
+    """(chars, messages, images, audio parts, audio tokens, videos, head) of a chat body; each
+    text counted is also added to ``texts`` when it is given (for a tokenizer).
 
     The head renders messages in order as ``role\\ncontent\\n`` (text parts only), so requests
     that share a system prompt share a head whatever follows it.
@@ -257,6 +268,8 @@ def _profile_chat(
         content = msg.get("content")
         if type(content) is str:
             chars += len(content)
+            if texts is not None:
+                texts.append(content)
             if room > 0:
                 head.append(content[:room])
                 room -= len(content)
@@ -266,6 +279,8 @@ def _profile_chat(
                     text = part.get("text")
                     if type(text) is str:
                         chars += len(text)
+                        if texts is not None:
+                            texts.append(text)
                         if room > 0:
                             head.append(text[:room])
                             room -= len(text)
@@ -280,21 +295,23 @@ def _profile_chat(
                         videos += 1
                 elif type(part) is str:
                     chars += len(part)
+                    if texts is not None:
+                        texts.append(part)
                     if room > 0:
                         head.append(part[:room])
                         room -= len(part)
         tool_calls = msg.get("tool_calls")
         if type(tool_calls) is list:
-            chars += _tool_calls_chars(tool_calls)
+            chars += _tool_calls_chars(tool_calls, texts)
         if room > 0:
             head.append("\n")
             room -= 1
     tools = body.get("tools")
     if tools:
-        chars += _json_chars(tools)
+        chars += _json_chars(tools, texts)
     functions = body.get("functions")  # the deprecated spelling of tools
     if functions:
-        chars += _json_chars(functions)
+        chars += _json_chars(functions, texts)
     return chars, nmsg, images, audios, audio_tokens, videos, "".join(head)
 
 
@@ -304,14 +321,19 @@ def _ids_head(ids: list[Any], max_prefix_chars: int) -> str:
     return repr(ids[: max_prefix_chars // 4 + 1])[1:-1][:max_prefix_chars]
 
 
-def _profile_completion(body: dict[str, Any], max_prefix_chars: int) -> tuple[int, int, int, str]:
-    """(chars, exact tokens, batch, head) of a completions body.
+def _profile_completion(
+    body: dict[str, Any], max_prefix_chars: int, texts: list[str] | None = None
+) -> tuple[int, int, int, str]:
+    """(chars, exact tokens, batch, head) of a completions body; text prompts also go to
+    ``texts`` when it is given.
 
     ``prompt`` is a string, a list of strings (a batch), a list of token ids, or a list of
     id lists (a batch); the head is taken from the first prompt.
     """
     prompt = body.get("prompt")
     if type(prompt) is str:
+        if texts is not None:
+            texts.append(prompt)
         return len(prompt), 0, 1, prompt[:max_prefix_chars]
     if type(prompt) is not list or not prompt:
         return 0, 0, 1, ""
@@ -324,6 +346,8 @@ def _profile_completion(body: dict[str, Any], max_prefix_chars: int) -> tuple[in
             if not batch:
                 head = item[:max_prefix_chars]
             chars += len(item)
+            if texts is not None:
+                texts.append(item)
         elif type(item) is list:
             if not batch:
                 head = _ids_head(item, max_prefix_chars)
@@ -362,12 +386,13 @@ def profile_request(
     n = body.get("n")
     if type(n) is not int or n < 1:
         n = 1
-    ratio = estimator.ratio(model)
+    counter = estimator.counter
+    texts: list[str] | None = [] if counter is not None else None
     images = audios = videos = 0
     batch = 1
     if kind == "chat":
         chars, nmsg, images, audios, audio_tokens, videos, head = _profile_chat(
-            body, max_prefix_chars
+            body, max_prefix_chars, texts
         )
         fixed = (
             MESSAGE_OVERHEAD_TOKENS * nmsg
@@ -376,18 +401,22 @@ def profile_request(
             + audio_tokens
         )
     elif kind == "completion":
-        chars, exact, batch, head = _profile_completion(body, max_prefix_chars)
+        chars, exact, batch, head = _profile_completion(body, max_prefix_chars, texts)
         text_prompts = batch if chars else 0
         fixed = exact + COMPLETION_PROMPT_OVERHEAD_TOKENS * text_prompts
     else:
         raise ValueError(f"unknown request kind {kind!r}; expected 'chat' or 'completion'")
+    if counter is not None and texts is not None:
+        text_tokens = counter.count(texts)
+    else:
+        text_tokens = math.ceil(chars / estimator.ratio(model))
     max_tokens = _max_tokens(body)
     return Profile(
         kind=kind,
         model=model,
         stream=body.get("stream") is True,
         prompt_chars=chars,
-        prompt_tokens_est=math.ceil(chars / ratio) + fixed,
+        prompt_tokens_est=text_tokens + fixed,
         output_tokens=None if max_tokens is None else max_tokens * n * batch,
         n=n,
         images=images,
@@ -565,7 +594,9 @@ def explain_request(
     """
     cfg = policy.estimate
     estimator = Estimator(
-        cfg.chars_per_token if chars_per_token is None else chars_per_token, cfg.image_tokens
+        cfg.chars_per_token if chars_per_token is None else chars_per_token,
+        cfg.image_tokens,
+        counter=load_counter(cfg.tokenizer_file) if cfg.tokenizer_file else None,
     )
     profile = profile_request(body, kind, estimator, max_prefix_chars(policy))
     match = match_lane(profile, policy.lanes, explain=True)
@@ -596,6 +627,7 @@ def explain_request(
     return {
         "profile": asdict(profile),
         "chars_per_token": estimator.ratio(profile.model),
+        "tokenizer_file": cfg.tokenizer_file,
         "lane": {
             "index": match.index,
             "name": lane.name,

@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .tokens import TokenizerError, load_counter
+
 ENV_PREFIX = "TOKENLANE_"
 MiB = 1024 * 1024
 
@@ -139,6 +141,17 @@ class EstimateConfig(_Strict):
     chars_per_token: float = Field(4.0, gt=0)
     image_tokens: int = Field(576, ge=0)
     tokenizer_file: str | None = None
+
+    @field_validator("tokenizer_file")
+    @classmethod
+    def _tokenizer_loads(cls, path: str | None) -> str | None:
+        # Loaded here, so `tokenlane check` and a reload refuse a file that is no tokenizer.
+        if path is not None:
+            try:
+                load_counter(path)
+            except TokenizerError as exc:
+                raise ValueError(str(exc)) from None
+        return path
 
 
 class HealthConfig(_Strict):

@@ -657,7 +657,9 @@ def test_dockerfile_runs_the_gateway_as_non_root_with_a_health_check() -> None:
     # The default policy path of CMD is filled, so the image runs without a mount.
     assert ("COPY", "config/policy.compose.yaml /etc/tokenlane/policy.yaml") in stage
     installs = [args for k, args in dockerfile_instructions() if k == "RUN" and "pip" in args]
-    assert any(re.search(r"pip install (--\S+ )*\.$", args) for args in installs)
+    assert any(
+        re.search(r"pip install (--\S+ )*'?\.(\[tokenizer\])?'?$", args) for args in installs
+    )
 
 
 def copied_sources() -> list[str]:
