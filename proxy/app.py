@@ -30,8 +30,8 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from . import validate
-from .accesslog import AccessLog
 from .accesslog import logger as access_log
+from .accesslog import write_line
 from .admission import Admission
 from .asgi_ext import CLIENT_GONE, START_WITH_BODY
 from .auth import ClientKeys, Guard
@@ -49,6 +49,7 @@ from .errors import (
 from .fleet import Fleet
 from .health import HealthMonitor
 from .metrics import Metrics
+from .outcomes import Outcomes
 from .relay import DROP_UPSTREAM, Call, Relay, make_client
 from .shared import FleetView, shared_state_for
 
@@ -105,7 +106,7 @@ class Gateway:
         self.metrics = Metrics()
         self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
         self.estimator = Estimator.from_config(policy.estimate)
-        self.access = AccessLog()
+        self.outcomes = Outcomes(self._record)
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances (issue 7).
@@ -226,7 +227,7 @@ class Gateway:
             await self.client.aclose()
             await self.health_client.aclose()
         finally:
-            self.access.close()
+            self.outcomes.close()
 
     def begin_shutdown(self) -> None:
         """From now on ``/ready`` fails and new requests get 503: a drain has started."""
@@ -246,11 +247,14 @@ class Gateway:
     # -- the one place a request's outcome is observed ------------------------------------
 
     def observe(self, call: Call) -> None:
+        """``call`` is over: its outcome is recorded off this path (``outcomes``)."""
+        self.outcomes.add(call, now() - call.received_at)
+
+    def _record(self, call: Call, duration: float, ts: float) -> None:
         m = self.metrics
         lane = call.lane.name
         pool = call.pool or ""
         replica = call.replica.name if call.replica is not None else ""
-        duration = now() - call.received_at
         m.series(m.requests, lane, pool, replica, str(call.status)).inc()
         if call.overhead_s is not None:
             m.series(m.overhead, lane).observe(call.overhead_s)
@@ -266,8 +270,7 @@ class Gateway:
             if isinstance(reported, int) and reported > 0:
                 m.series(m.prompt_tokens_reported, pool).inc(reported)
                 self.estimator.observe(profile, reported)
-        if self.access.enabled:
-            self.access.add(call, duration)  # the one line per request, written off this path
+        write_line(call, duration, ts)  # the one line per request
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -530,6 +533,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         return _json({"status": "not ready", "lanes_without_replica": missing}, 503)
 
     async def metrics(request: Request) -> Response:
+        gw.outcomes.flush()  # every request that ended before the scrape is in it
         m = gw.metrics
         for replica in gw.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)

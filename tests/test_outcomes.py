@@ -1,0 +1,112 @@
+"""Outcomes are recorded off the request's path, in batches; the access line holds no secret."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+
+from loadtest.fake_upstream import running
+from proxy.accesslog import record_of, write_line
+from proxy.config import build_policy
+from proxy.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
+from proxy.relay import Call
+
+from .gateway import policy_for, running_gateway
+
+LANE = build_policy(policy_for({"p": ["http://127.0.0.1:9"]})).lanes[0]
+CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def a_call(request_id: str = "r-1", **outcome: object) -> Call:
+    call = Call(
+        request_id=request_id,
+        kind="chat",
+        path="/v1/chat/completions",
+        body=b'{"messages": [{"role": "user", "content": "my secret prompt"}]}',
+        headers=[(b"authorization", b"Bearer sk-secret")],
+        stream=True,
+        model="m",
+        lane=LANE,
+        profile=None,
+        wants_usage=False,
+        received_at=0.0,
+    )
+    for key, value in outcome.items():
+        setattr(call, key, value)
+    return call
+
+
+def recorder() -> tuple[Outcomes, list[str]]:
+    seen: list[str] = []
+    return Outcomes(lambda call, duration, ts: seen.append(call.request_id)), seen
+
+
+async def test_an_outcome_is_recorded_within_the_flush_interval_not_on_the_spot() -> None:
+    outcomes, seen = recorder()
+    outcomes.add(a_call("r-1"), 0.5)
+    outcomes.add(a_call("r-2"), 0.1)
+    assert seen == []  # nothing done while the request's handler still runs
+    await asyncio.sleep(FLUSH_S * 5)
+    assert seen == ["r-1", "r-2"]
+
+
+async def test_a_full_queue_is_recorded_at_once() -> None:
+    outcomes, seen = recorder()
+    for i in range(MAX_QUEUED):
+        outcomes.add(a_call(f"r-{i}"), 0.1)
+    assert len(seen) == MAX_QUEUED
+
+
+def test_without_a_running_loop_an_outcome_is_recorded_at_once() -> None:
+    outcomes, seen = recorder()
+    outcomes.add(a_call(), 0.1)
+    assert seen == ["r-1"]
+
+
+async def test_close_records_what_waits_once_and_later_ones_at_once() -> None:
+    outcomes, seen = recorder()
+    outcomes.add(a_call("r-1"), 0.1)
+    outcomes.close()  # as the gateway's stop does
+    assert seen == ["r-1"]
+    outcomes.add(a_call("r-2"), 0.1)  # a request that ended during shutdown
+    assert seen == ["r-1", "r-2"]
+    await asyncio.sleep(FLUSH_S * 3)
+    assert seen == ["r-1", "r-2"]
+
+
+def test_an_access_line_holds_no_body_and_no_header() -> None:
+    text = json.dumps(record_of(a_call(status=200, ttft_s=0.0123), 0.5, 1.0))
+    assert "secret" not in text and "authorization" not in text.lower()
+    record = json.loads(text)
+    assert record["ttft_ms"] == 12.3 and record["duration_ms"] == 500.0
+
+
+def test_no_access_line_below_info() -> None:
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("tokenlane.test-access")
+    log.propagate = False
+    log.handlers[:] = [Lines()]
+    log.setLevel(logging.WARNING)
+    write_line(a_call(), 0.1, 1.0, log)
+    log.setLevel(logging.INFO)
+    write_line(a_call(), 0.1, 1.0, log)
+    assert len(lines) == 1
+
+
+async def test_a_scrape_counts_every_request_that_ended_before_it() -> None:
+    async with running(tokens=3) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(3):
+                    assert (await client.post(url + "/v1/chat/completions", json=CHAT)).is_success
+                text = (await client.get(url + "/metrics")).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("tokenlane_requests_total{"))
+    assert line.endswith(" 3.0")
