@@ -495,22 +495,28 @@ async def test_every_replica_overloaded_answers_503_with_retry_after_not_502() -
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
+async def post_raw(url: str, head: bytes, body: bytes) -> bytes:
+    """A chat request with exactly the headers ``head`` (and a content-length); the status line."""
+    host, port = url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n%scontent-length: %d\r\n\r\n%s"
+        % (head, len(body), body)
+    )
+    await writer.drain()
+    status = await reader.readuntil(b"\r\n")
+    writer.close()
+    return status
+
+
 async def test_upstream_gets_the_clients_headers_and_none_of_the_relays_own() -> None:
     # aiohttp adds Accept, Accept-Encoding: gzip and its User-Agent when a request has none;
     # a compressed answer the client never asked for would then be relayed raw.
+    body = json.dumps(CHAT).encode()
     async with running(tokens=3) as up:
         async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
-            host, port = url.split("//")[1].split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            body = json.dumps(CHAT).encode()
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-trace: 7\r\n"
-                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
-            await writer.drain()
-            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
-            writer.close()
+            head = b"x-trace: 7\r\ncontent-type: application/json\r\n"
+            assert (await post_raw(url, head, body)).startswith(b"HTTP/1.1 200")
     (_, headers), *_ = chat_requests(up)
     assert set(headers) == {"host", "x-trace", "content-type", "content-length", "x-request-id"}
     assert headers["content-length"] == str(len(body))
@@ -520,16 +526,8 @@ async def test_a_body_sent_without_content_type_goes_upstream_without_one() -> N
     # aiohttp would label it application/octet-stream, which vLLM refuses to read as JSON.
     async with running(tokens=3) as up:
         async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
-            host, port = url.split("//")[1].split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            body = json.dumps(CHAT).encode()
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
-            await writer.drain()
-            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
-            writer.close()
+            status = await post_raw(url, b"", json.dumps(CHAT).encode())
+            assert status.startswith(b"HTTP/1.1 200")
     (_, headers), *_ = chat_requests(up)
     assert "content-type" not in headers
 
