@@ -509,13 +509,15 @@ class Relay:
             detail = f"{name} answered {status} (overloaded)"
             raise RetryableFailure("upstream_5xx", failure, detail, overloaded=True)
         if status in (500, 502, 504):
+            # Retried only under the opt-in, once; otherwise the replica's answer is relayed.
             if self.gw.policy.retry.on_5xx_after_send and not call.retried_after_send:
-                call.retried_after_send = True
                 await response.aread()
-                raise RetryableFailure("upstream_5xx", "upstream_5xx", f"{name} answered {status}")
+                raise self._after_send(call, "upstream_5xx", f"{name} answered {status}")
             attempt.last_progress = time.monotonic()
         if call.stream and status == 200 and _is_event_stream(response):
             await self._relay_stream(call, attempt, response, send, watchdog)
+        elif call.kind == "other":
+            await self._relay_passthrough(call, attempt, response, send, watchdog)
         else:
             await self._relay_whole(call, attempt, response, send, watchdog)
 
@@ -540,11 +542,8 @@ class Relay:
         send: Send,
         watchdog: asyncio.Timeout,
     ) -> None:
-        """A plain response (or an error status): read it whole, then send it unchanged.
-        Pass-through answers are relayed as they come instead."""
-        if call.kind == "other":
-            await self._relay_passthrough(call, attempt, response, send, watchdog)
-            return
+        """A plain chat or completion response (or an error status): read it whole (its usage
+        is parsed), then send it unchanged."""
         # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
         # the headers still announce (with the compressed Content-Length).
         body = b"".join([part async for part in raw_chunks(response)])
