@@ -35,6 +35,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports: all held at once while chosen (one at a time, the kernel may
+    hand the same port out twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(contextlib.closing(bound_socket(host))) for _ in range(n)]
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 class _QuietServer(uvicorn.Server):
     # Tests run many servers in one loop; they must not take over the process's signals.
     @contextlib.contextmanager

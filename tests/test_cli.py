@@ -3,6 +3,7 @@ starting a fleet and a gateway and leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from .servers import free_port, wait_http_ok
+from .servers import free_ports, wait_http_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,13 +80,10 @@ def _listening(port: int) -> bool:
 @pytest.mark.slow
 def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     policy = yaml.safe_load((ROOT / "config/policy.demo.yaml").read_text())
-    sim_ports = []
-    for pool in policy["pools"].values():
-        for replica in pool["replicas"]:
-            port = free_port()
-            sim_ports.append(port)
-            replica["url"] = f"http://127.0.0.1:{port}"
-    gw_port = free_port()
+    replicas = [r for pool in policy["pools"].values() for r in pool["replicas"]]
+    *sim_ports, gw_port = free_ports(len(replicas) + 1)
+    for replica, port in zip(replicas, sim_ports, strict=True):
+        replica["url"] = f"http://127.0.0.1:{port}"
     policy["server"]["port"] = gw_port
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(policy))
@@ -96,8 +94,13 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
         cwd=ROOT,
         start_new_session=True,
     )
+    ready = False
     try:
-        wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
+        with contextlib.suppress(TimeoutError):
+            wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
+            ready = True
+        if not ready:
+            return  # reported below, with what the demo wrote
         r = httpx.post(
             f"http://127.0.0.1:{gw_port}/v1/chat/completions",
             json={
@@ -111,7 +114,8 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
         assert all(_listening(p) for p in sim_ports)
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
+        assert ready, f"the demo never got ready:\n{err.decode()[-3000:]}"
     assert proc.returncode == 0
     assert f"http://127.0.0.1:{gw_port}" in out.decode()  # the banner names the URLs
     deadline = time.monotonic() + 10
