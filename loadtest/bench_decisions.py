@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from proxy.balance import pick
-from proxy.classify import Estimator, match_lane, profile_request
 from proxy.config import Policy, ReplicaConfig, build_policy
-from proxy.fleet import Replica, ReplicaState
-from proxy.vllm import EngineSample
+from proxy.fleet.fleet import Replica, ReplicaState
+from proxy.fleet.vllm import EngineSample
+from proxy.routing.balance import pick
+from proxy.routing.classify import Estimator, match_lane, profile_request
 
 REPEATS = 5
 

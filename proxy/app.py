@@ -29,16 +29,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from . import validate
-from .accesslog import logger as access_log
-from .accesslog import write_line
-from .admission import Admission
-from .asgi_ext import CLIENT_GONE, START_WITH_BODY
-from .auth import ClientKeys, Guard
-from .classify import Estimator, match_lane, profile_request
-from .config import Policy, PolicyError, keep_restart_keys, load_policy, restart_changes
-from .discovery import Discovery, dns_hosts, expand
-from .errors import (
+from proxy.config import Policy, PolicyError, keep_restart_keys, load_policy, restart_changes
+from proxy.edge import validate
+from proxy.edge.asgi_ext import CLIENT_GONE, START_WITH_BODY
+from proxy.edge.auth import ClientKeys, Guard
+from proxy.errors import (
     GatewayError,
     MethodNotAllowed,
     NotFound,
@@ -46,12 +41,18 @@ from .errors import (
     Rejected,
     error_body,
 )
-from .fleet import Fleet
-from .health import HealthMonitor
-from .metrics import Metrics
-from .outcomes import Outcomes
-from .relay import DROP_UPSTREAM, Call, Relay, make_client
-from .shared import FleetView, shared_state_for
+from proxy.fleet.discovery import Discovery, dns_hosts, expand
+from proxy.fleet.fleet import Fleet
+from proxy.fleet.health import HealthMonitor
+from proxy.observe.accesslog import logger as access_log
+from proxy.observe.accesslog import write_line
+from proxy.observe.metrics import Metrics
+from proxy.observe.outcomes import Outcomes
+from proxy.relay.call import Call
+from proxy.relay.relay import DROP_UPSTREAM, Relay, make_client
+from proxy.routing.admission import Admission
+from proxy.routing.classify import Estimator, match_lane, profile_request
+from proxy.state.shared import FleetView, shared_state_for
 
 log = logging.getLogger("tokenlane")
 
@@ -548,7 +549,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     try:
-        from .admin import admin_routes
+        from proxy.edge.admin import admin_routes
     except ImportError:  # the admin API lands with issue 4
         pass
     else:

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import PolicyError, load_policy
+from proxy.config import PolicyError, load_policy
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serve import serve
+    from proxy.edge.serve import serve
 
     try:
         policy = load_policy(
@@ -46,7 +46,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from .classify import explain_request
+    from proxy.routing.classify import explain_request
 
     try:
         policy = load_policy(args.config)
@@ -96,7 +96,7 @@ def _render_explanation(result: dict[str, Any]) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from proxy.demo import run_demo
 
     return run_demo(args.policy, port=args.port)
 

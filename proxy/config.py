@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .tokens import TokenizerError, load_counter
+from proxy.routing.tokens import TokenizerError, load_counter
 
 ENV_PREFIX = "TOKENLANE_"
 MiB = 1024 * 1024

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .config import Policy, PolicyError, load_policy
+from proxy.config import Policy, PolicyError, load_policy
 
 DEMO_POLICY = Path(__file__).with_name("policy.demo.yaml")
 
@@ -82,8 +82,7 @@ def banner(policy: Policy, urls: dict[str, str]) -> str:
 
 def run_demo(policy_path: str | None = None, port: int | None = None) -> int:
     from loadtest.sim.supervisor import SimSpec, Supervisor
-
-    from .serve import serve
+    from proxy.edge.serve import serve
 
     path = policy_path or str(DEMO_POLICY)
     try:

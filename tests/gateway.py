@@ -15,7 +15,7 @@ import yaml
 
 from proxy.app import GatewayApp, create_app
 from proxy.config import Policy, build_policy
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .servers import free_port, run_process, serve_app
 

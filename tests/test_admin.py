@@ -9,11 +9,11 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from proxy.admin import Forbidden, admin_routes, check_auth
 from proxy.config import Policy, PolicyError, build_policy
+from proxy.edge.admin import Forbidden, admin_routes, check_auth
 from proxy.errors import Unauthorized
-from proxy.fleet import Fleet
-from proxy.metrics import Metrics
+from proxy.fleet.fleet import Fleet
+from proxy.observe.metrics import Metrics
 
 from .servers import serve_app
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from proxy.admission import Admission, DrainRate, retry_after_s
 from proxy.config import LaneConfig, ReplicaConfig
 from proxy.errors import Rejected
-from proxy.fleet import Replica, ReplicaState, make_replica
-from proxy.metrics import Metrics
+from proxy.fleet.fleet import Replica, ReplicaState, make_replica
+from proxy.observe.metrics import Metrics
+from proxy.routing.admission import Admission, DrainRate, retry_after_s
 
 
 def replica(name: str, max_in_flight: int = 1, pool: str = "p") -> Replica:

@@ -13,7 +13,7 @@ import yaml
 from loadtest.fake_upstream import running
 from proxy.app import create_app
 from proxy.config import load_policy
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app

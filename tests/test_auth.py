@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.auth import ClientKeys, bearer_token, key_id
+from proxy.edge.auth import ClientKeys, bearer_token, key_id
 
 from .gateway import policy_for, running_gateway
 

@@ -15,9 +15,9 @@ from fractions import Fraction
 
 import pytest
 
-from proxy.balance import STRATEGIES, key_hash, pick, rendezvous_order
 from proxy.config import ReplicaConfig
-from proxy.fleet import Replica, ReplicaState
+from proxy.fleet.fleet import Replica, ReplicaState
+from proxy.routing.balance import STRATEGIES, key_hash, pick, rendezvous_order
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ def test_rendezvous_hashing_is_stable_across_processes() -> None:
     keys = ["", "system\nYou are helpful.\n", "ключ", "x" * 2000]
     script = (
         "import json, sys\n"
-        "from proxy.balance import key_hash, rendezvous_order\n"
+        "from proxy.routing.balance import key_hash, rendezvous_order\n"
         "names, keys = json.loads(sys.argv[1])\n"
         "print(json.dumps([[key_hash(k), rendezvous_order(k, names)] for k in keys]))\n"
     )

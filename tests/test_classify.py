@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from proxy.balance import rendezvous_order
-from proxy.classify import (
+from proxy.config import LaneConfig, LaneWhen, Policy, build_policy
+from proxy.routing.balance import rendezvous_order
+from proxy.routing.classify import (
     AUDIO_URL_TOKENS,
     CHAT_OVERHEAD_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
@@ -27,7 +28,6 @@ from proxy.classify import (
     output_tokens_for,
     profile_request,
 )
-from proxy.config import LaneConfig, LaneWhen, Policy, build_policy
 
 IMAGE_TOKENS = 576
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from proxy.detect import (
+from proxy.fleet.detect import (
     SILENT_IN_ROW,
     Progress,
     backoff_s,

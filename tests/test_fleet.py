@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from proxy.config import build_policy
-from proxy.fleet import EjectReason, Fleet, Replica, ReplicaState
-from proxy.metrics import Metrics
-from proxy.vllm import EngineSample
+from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
+from proxy.fleet.vllm import EngineSample
+from proxy.observe.metrics import Metrics
 
 P, H, E, D = ReplicaState.PROBING, ReplicaState.HEALTHY, ReplicaState.EJECTED, ReplicaState.DRAINING
 URLS = ["http://r0:8000", "http://r1:8000", "http://r2:8000"]

@@ -17,10 +17,10 @@ import pytest
 
 from loadtest.sim.server import Sim, run_sim
 from proxy.config import build_policy
-from proxy.fleet import EjectReason, Fleet, Replica, ReplicaState
-from proxy.health import HealthMonitor
-from proxy.metrics import Metrics
-from proxy.relay import make_client
+from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
+from proxy.fleet.health import HealthMonitor
+from proxy.observe.metrics import Metrics
+from proxy.relay.relay import make_client
 
 HEALTH = {
     "interval_s": 0.1,

@@ -139,7 +139,7 @@ async def test_promtool_accepts_the_scrape(scrape: str) -> None:
 
 
 def test_histograms_resolve_5ms_to_60s() -> None:
-    from proxy.metrics import LATENCY_BUCKETS
+    from proxy.observe.metrics import LATENCY_BUCKETS
 
     assert LATENCY_BUCKETS[0] <= 0.005 and LATENCY_BUCKETS[-1] >= 60
 

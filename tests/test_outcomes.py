@@ -9,10 +9,10 @@ import logging
 import httpx
 
 from loadtest.fake_upstream import running
-from proxy.accesslog import record_of, write_line
 from proxy.config import build_policy
-from proxy.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
-from proxy.relay import Call
+from proxy.observe.accesslog import record_of, write_line
+from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
+from proxy.relay.call import Call
 
 from .gateway import policy_for, running_gateway
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.config import RateLimitsConfig
-from proxy.ratelimit import LocalRateLimiter, TokenBucket, go_duration
+from proxy.routing.ratelimit import LocalRateLimiter, TokenBucket, go_duration
 
 
 def limiter(clock: list[float], **limits: int) -> LocalRateLimiter:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
-from proxy.relay import query_text
+from proxy.relay.relay import query_text
 
 from .gateway import content_of, gateway_process, policy_for, rss_bytes, running_gateway
 from .servers import free_port

@@ -18,8 +18,8 @@ from loadtest.fake_upstream import running
 from proxy import app as app_module
 from proxy.app import create_app
 from proxy.config import build_policy, load_policy
-from proxy.discovery import Discovery, expand, expand_replica
-from proxy.serve import GatewayServer, uvicorn_config
+from proxy.edge.serve import GatewayServer, uvicorn_config
+from proxy.fleet.discovery import Discovery, expand, expand_replica
 
 from .gateway import policy_for, wait_ready
 from .servers import bound_socket

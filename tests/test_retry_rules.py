@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
-from proxy import relay
 from proxy.config import PolicyError, build_policy, policy_from_text, restart_changes
+from proxy.relay import relay
 
 from .gateway import policy_for, running_gateway
 

@@ -21,15 +21,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loadtest.fake_upstream import running
 from proxy.app import create_app, request_id_from
-from proxy.asgi_ext import (
+from proxy.config import build_policy
+from proxy.edge.asgi_ext import (
     CLIENT_GONE,
     START_BODY,
     START_MORE_BODY,
     START_WITH_BODY,
     ClientGoneHook,
 )
-from proxy.config import build_policy
-from proxy.serve import NoDelayHttpToolsProtocol
+from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 import pytest
 
 from proxy.config import RateLimitsConfig, RedisConfig, build_policy
-from proxy.fleet import EjectReason, Fleet, ReplicaState
-from proxy.metrics import Metrics
-from proxy.ratelimit import LocalRateLimiter
-from proxy.shared import (
+from proxy.fleet.fleet import EjectReason, Fleet, ReplicaState
+from proxy.observe.metrics import Metrics
+from proxy.routing.ratelimit import LocalRateLimiter
+from proxy.state.shared import (
     Breaker,
     FleetView,
     Lease,
@@ -331,7 +331,7 @@ CRASHER = textwrap.dedent(
     """
     import asyncio, sys
     from proxy.config import RedisConfig
-    from proxy.shared import RedisState
+    from proxy.state.shared import RedisState
 
     class View:
         def records(self): return []

@@ -24,7 +24,7 @@ from loadtest.sim.server import Sim, run_sim
 from loadtest.sim.settings import SimSettings
 from loadtest.stats import OK, RequestResult
 from proxy.app import GatewayApp
-from proxy.fleet import EjectReason, Replica, ReplicaState
+from proxy.fleet.fleet import EjectReason, Replica, ReplicaState
 
 from .gateway import gateway_process, policy_for, running_gateway
 from .redis_server import RedisServer, running_redis

@@ -1,4 +1,4 @@
-"""proxy.sse over vLLM's real streams: the splitter under every way a socket can cut a stream,
+"""proxy.relay.sse over vLLM's real streams: the splitter under every way a socket can cut a stream,
 and the few facts the relay reads from events (content, error, usage)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.fake_upstream import stream_events
-from proxy import sse
+from proxy.relay import sse
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STREAM_FIXTURES = (

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from proxy.classify import (
+from proxy.config import EstimateConfig, PolicyError, build_policy
+from proxy.routing.classify import (
     CHAT_OVERHEAD_TOKENS,
     COMPLETION_PROMPT_OVERHEAD_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
@@ -17,8 +18,7 @@ from proxy.classify import (
     explain_request,
     profile_request,
 )
-from proxy.config import EstimateConfig, PolicyError, build_policy
-from proxy.tokens import TokenCounter
+from proxy.routing.tokens import TokenCounter
 
 from .gateway import policy_for
 from .test_cli import tokenlane

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.vllm import (
+from proxy.fleet.vllm import (
     SERIES,
     EngineSample,
     ScrapeError,

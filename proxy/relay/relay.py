@@ -18,25 +18,25 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
 
-from . import balance, sse
-from .asgi_ext import START_BODY, START_MORE_BODY
-from .classify import affinity_key
-from .errors import Rejected, UpstreamBusy, UpstreamFailed
-from .fleet import Replica
-from .transport import RawResponseStream, RelayTransport
+from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
+from proxy.errors import Rejected, UpstreamBusy, UpstreamFailed
+from proxy.fleet.fleet import Replica
+from proxy.relay import sse
+from proxy.relay.call import Attempt, Call
+from proxy.relay.transport import RawResponseStream, RelayTransport
+from proxy.routing import balance
+from proxy.routing.classify import affinity_key
 
 if TYPE_CHECKING:
     from starlette.types import Send
 
-    from .app import Gateway
-    from .classify import Profile
-    from .config import LaneConfig, Policy
+    from proxy.app import Gateway
+    from proxy.config import LaneConfig, Policy
 
 now = time.perf_counter
 
@@ -139,70 +139,6 @@ class UpstreamClient(httpx.AsyncClient):
     def __init__(self, *, transport: httpx.AsyncBaseTransport, **kw: Any) -> None:
         super().__init__(transport=transport, **kw)
         self.transport = transport
-
-
-@dataclass(eq=False, slots=True)
-class Call:
-    """One client request on its way through the gateway: what came in and what happened."""
-
-    request_id: str
-    kind: str  # chat | completion | other
-    path: str
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-    stream: bool
-    model: str | None
-    lane: LaneConfig
-    profile: Profile | None
-    wants_usage: bool
-    received_at: float
-    query: bytes = b""
-    task: asyncio.Task[Any] | None = None
-    start_with_body: bool = False  # the server takes START_WITH_BODY
-    # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
-    # free, when rate limits are off).
-    extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
-    # outcome
-    pool: str | None = None
-    replica: Replica | None = None
-    status: int = 0
-    started: bool = False  # status line sent to the client
-    ttft_s: float | None = None
-    queue_wait_s: float = 0.0
-    retries: int = 0
-    overhead_s: float | None = None  # arrival to the first attempt's send
-    content_chunks: int = 0
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    finished: bool = False
-    disconnected: bool = False
-    tried: set[Replica] = field(default_factory=set)
-    retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
-
-
-class Attempt:
-    """One upstream attempt as the fleet sees it (``fleet.StreamWatch``): a health verdict on
-    its replica can end it through ``interrupt``."""
-
-    __slots__ = (
-        "content_sent",
-        "interrupted",
-        "last_progress",
-        "replica",
-        "task",
-    )
-
-    def __init__(self, replica: Replica, task: asyncio.Task[Any] | None) -> None:
-        self.replica = replica
-        self.task = task
-        self.last_progress = time.monotonic()
-        self.content_sent = False
-        self.interrupted: str | None = None
-
-    def interrupt(self, reason: str) -> None:
-        if self.interrupted is None and self.task is not None:
-            self.interrupted = reason
-            self.task.cancel(f"tokenlane: {reason}")
 
 
 class Relay:

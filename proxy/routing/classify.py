@@ -27,9 +27,9 @@ from fnmatch import translate
 from re import compile as re_compile
 from typing import Any, Literal
 
-from .balance import rendezvous_order
-from .config import EstimateConfig, LaneConfig, Policy
-from .tokens import TokenCounter, load_counter
+from proxy.config import EstimateConfig, LaneConfig, Policy
+from proxy.routing.balance import rendezvous_order
+from proxy.routing.tokens import TokenCounter, load_counter
 
 __all__ = [
     "Estimator",

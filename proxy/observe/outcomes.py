@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .relay import Call
+    from proxy.relay.call import Call
 
 FLUSH_S = 0.01
 MAX_QUEUED = 256

@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import LaneConfig
-from .errors import Rejected
-from .fleet import Fleet, Replica
-from .metrics import Metrics
+from proxy.config import LaneConfig
+from proxy.errors import Rejected
+from proxy.fleet.fleet import Fleet, Replica
+from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane.admission")
 

@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from redis.asyncio import Redis
 
-from .config import RateLimitsConfig, RedisConfig
-from .fleet import EjectReason, Fleet, Replica, ReplicaState
-from .ratelimit import LocalRateLimiter, RateLimiter
-from .ratelimit_shared import (
+from proxy.config import RateLimitsConfig, RedisConfig
+from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
+from proxy.routing.ratelimit import LocalRateLimiter, RateLimiter
+from proxy.state.ratelimit_shared import (
     BUCKET_IDLE_MS,
     LEASE,
     LEASE_FRACTION,
@@ -74,7 +74,7 @@ from .ratelimit_shared import (
     scaled,
     settle,
 )
-from .redislink import (
+from proxy.state.redislink import (
     PROBE_S,
     REDIS_ERRORS,
     Breaker,
@@ -85,7 +85,7 @@ from .redislink import (
 )
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
+    from proxy.observe.metrics import Metrics
 
 # Names that moved to ratelimit_shared and redislink are re-exported: importable from here
 # as before.

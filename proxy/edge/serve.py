@@ -15,9 +15,15 @@ import uvicorn
 from starlette.types import Message
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from .app import Gateway, configure_logging, create_app
-from .asgi_ext import CLIENT_GONE, START_BODY, START_MORE_BODY, START_WITH_BODY, ClientGoneHook
-from .config import Policy
+from proxy.app import Gateway, configure_logging, create_app
+from proxy.config import Policy
+from proxy.edge.asgi_ext import (
+    CLIENT_GONE,
+    START_BODY,
+    START_MORE_BODY,
+    START_WITH_BODY,
+    ClientGoneHook,
+)
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared

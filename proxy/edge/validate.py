@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import BadRequest
+from proxy.errors import BadRequest
 
 
 def media_type(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .relay import Call
+    from proxy.relay.call import Call
 
 logger = logging.getLogger("tokenlane.access")
 

@@ -19,10 +19,9 @@ from collections.abc import Callable
 import aiohttp
 import httpx
 
-from .config import Policy
-from .fleet import Fleet, Replica, ReplicaState
-from .metrics import Metrics
-from .vllm import (
+from proxy.config import Policy
+from proxy.fleet.fleet import Fleet, Replica, ReplicaState
+from proxy.fleet.vllm import (
     CANARY_PATH,
     EngineSample,
     ScrapeError,
@@ -31,6 +30,7 @@ from .vllm import (
     model_cards,
     parse_metrics,
 )
+from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane.health")
 

@@ -22,14 +22,14 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from . import validate
-from .classify import output_tokens_for
-from .errors import Rejected, Unauthorized
-from .ratelimit import RateLimiter
+from proxy.edge import validate
+from proxy.errors import Rejected, Unauthorized
+from proxy.routing.classify import output_tokens_for
+from proxy.routing.ratelimit import RateLimiter
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .relay import Call
+    from proxy.observe.metrics import Metrics
+    from proxy.relay.call import Call
 
 # The lane label of a rejection made before the request's lane is known (its body is not even
 # read for a client without a valid key).

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from .config import Policy, ReplicaConfig
+from proxy.config import Policy, ReplicaConfig
 
 log = logging.getLogger("tokenlane.discovery")
 

@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .config import Policy, PolicyError
-from .errors import BadRequest, GatewayError, NotFound, Unauthorized, error_body
-from .fleet import AmbiguousReplica, Fleet, Replica, UnknownReplica
-from .metrics import Metrics
+from proxy.config import Policy, PolicyError
+from proxy.errors import BadRequest, GatewayError, NotFound, Unauthorized, error_body
+from proxy.fleet.fleet import AmbiguousReplica, Fleet, Replica, UnknownReplica
+from proxy.observe.metrics import Metrics
 
 
 class AdminGateway(Protocol):

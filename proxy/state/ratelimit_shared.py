@@ -19,8 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .config import RateLimitsConfig
-from .ratelimit import REQUEST_TOO_LARGE_RETRY_AFTER_S, LimitState, LocalRateLimiter, Verdict
+from proxy.config import RateLimitsConfig
+from proxy.routing.ratelimit import (
+    REQUEST_TOO_LARGE_RETRY_AFTER_S,
+    LimitState,
+    LocalRateLimiter,
+    Verdict,
+)
 
 LEASE_TICK_S = 0.25  # the lease loop looks at the stocks this often (and when woken)
 LEASE_FRACTION = 0.05  # one lease batch: 5 % of a minute's limit (at least 1)

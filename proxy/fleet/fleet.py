@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import detect
-from .config import HealthConfig, Policy, PoolConfig, ReplicaConfig
-from .detect import Progress
-from .vllm import EngineSample
+from proxy.config import HealthConfig, Policy, PoolConfig, ReplicaConfig
+from proxy.fleet import detect
+from proxy.fleet.detect import Progress
+from proxy.fleet.vllm import EngineSample
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
+    from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane.health")
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .config import RateLimitsConfig
+from proxy.config import RateLimitsConfig
 
 REQUEST_TOO_LARGE_RETRY_AFTER_S = 60.0
 

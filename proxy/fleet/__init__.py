@@ -1,0 +1,1 @@
+"""The fleet and its health: replicas, their states, probes, stall detection, discovery."""

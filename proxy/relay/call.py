@@ -1,0 +1,81 @@
+"""The record of one client request on its way through the gateway (``Call``) and of each
+upstream attempt made for it (``Attempt``). Everything that observes a request (outcomes, the
+access log, auth's token charge) reads this record, so it depends on nothing but config and
+the fleet's ``Replica``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.fleet.fleet import Replica
+
+if TYPE_CHECKING:
+    from proxy.config import LaneConfig
+    from proxy.routing.classify import Profile
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One client request on its way through the gateway: what came in and what happened."""
+
+    request_id: str
+    kind: str  # chat | completion | other
+    path: str
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+    stream: bool
+    model: str | None
+    lane: LaneConfig
+    profile: Profile | None
+    wants_usage: bool
+    received_at: float
+    query: bytes = b""
+    task: asyncio.Task[Any] | None = None
+    start_with_body: bool = False  # the server takes START_WITH_BODY
+    # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
+    # free, when rate limits are off).
+    extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
+    # outcome
+    pool: str | None = None
+    replica: Replica | None = None
+    status: int = 0
+    started: bool = False  # status line sent to the client
+    ttft_s: float | None = None
+    queue_wait_s: float = 0.0
+    retries: int = 0
+    overhead_s: float | None = None  # arrival to the first attempt's send
+    content_chunks: int = 0
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    finished: bool = False
+    disconnected: bool = False
+    tried: set[Replica] = field(default_factory=set)
+    retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
+
+
+class Attempt:
+    """One upstream attempt as the fleet sees it (``fleet.StreamWatch``): a health verdict on
+    its replica can end it through ``interrupt``."""
+
+    __slots__ = (
+        "content_sent",
+        "interrupted",
+        "last_progress",
+        "replica",
+        "task",
+    )
+
+    def __init__(self, replica: Replica, task: asyncio.Task[Any] | None) -> None:
+        self.replica = replica
+        self.task = task
+        self.last_progress = time.monotonic()
+        self.content_sent = False
+        self.interrupted: str | None = None
+
+    def interrupt(self, reason: str) -> None:
+        if self.interrupted is None and self.task is not None:
+            self.interrupted = reason
+            self.task.cancel(f"tokenlane: {reason}")

@@ -1,0 +1,1 @@
+"""State shared between gateway instances (Redis) and its local stand-in."""
