@@ -175,7 +175,7 @@ async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float
     cpu0 = cpu_seconds(pid) if pid else 0.0
     await asyncio.gather(*(c.send(payload) for c in clients))
     cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
-    gaps = []
+    gaps: list[float] = []
     chunks = 0
     for c in clients:
         a = c.arrivals

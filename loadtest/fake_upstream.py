@@ -363,7 +363,7 @@ def form_fields(raw: bytes, content_type: str) -> dict[str, Any]:
     )
     fields: dict[str, Any] = {}
     for part in message.iter_parts():
-        value = part.get_payload(decode=True)
+        value: Any = part.get_payload(decode=True)
         name = part.get_param("name", header="content-disposition")
         fields[str(name)] = value if part.get_filename() is not None else value.decode()
     return fields

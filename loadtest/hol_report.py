@@ -211,7 +211,7 @@ def markdown_table(report: Mapping[str, Any]) -> str:
         "|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for run in report["runs"]:
-        rows = [(IDLE[k], run[k], {}) for k in IDLE if run[k]["n"]]
+        rows: list[tuple[str, Any, Any]] = [(IDLE[k], run[k], {}) for k in IDLE if run[k]["n"]]
         rows += [(SETUPS[k], s, run["verdict"]["ratios"][k]) for k, s in run["setups"].items()]
         for label, s, ratio in rows:
             t = s["ttft_ms"]

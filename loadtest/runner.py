@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_results(out, results, meta, plots=not args.no_plots)
     print(format_summary(summary))
     late = lateness(results)
-    if late["max_s"] is not None and late["max_s"] > 0.05:
+    if late["max_s"] is not None and late["p99_s"] is not None and late["max_s"] > 0.05:
         print(
             f"note: the generator sent some requests late (p99 {late['p99_s'] * 1000:.0f} ms, "
             f"max {late['max_s'] * 1000:.0f} ms); the load was not fully open-loop"

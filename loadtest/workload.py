@@ -178,7 +178,7 @@ def _parse_row(row: Any, where: str, problems: _Problems) -> TraceRequest | None
     _required(row, where, TRACE_REQUIRED, problems)
     at_ms = problems.number(_join(where, "at_ms"), row["at_ms"], minimum=0) if "at_ms" in row else 0
     cls = problems.text(_join(where, "class"), row["class"]) if "class" in row else ""
-    sizes = {
+    sizes: dict[str, Any] = {
         key: problems.integer(_join(where, key), row[key], minimum=1) if key in row else 1
         for key in ("prompt_tokens", "max_tokens")
     }
@@ -309,9 +309,9 @@ def parse_dist(value: Any, where: str, problems: _Problems) -> Dist | None:
             if key in required:
                 problems.add(_join(where, key), "required")
             continue
-        n = problems.number(_join(where, key), value[key], minimum=0)
-        if n is not None:
-            params[key] = n
+        x = problems.number(_join(where, key), value[key], minimum=0)
+        if x is not None:
+            params[key] = x
     if len(problems.items) > before:
         return None
     if "min" in params and "max" in params and params["min"] > params["max"]:
@@ -383,7 +383,7 @@ def _parse_class(data: Any, where: str, problems: _Problems) -> ClassSpec | None
     _required(data, where, ("class", "prompt_tokens", "max_tokens"), problems)
     name = problems.text(_join(where, "class"), data["class"]) if "class" in data else None
     weight = problems.number(_join(where, "weight"), data.get("weight", 1), positive=True)
-    sizes = {
+    sizes: dict[str, Any] = {
         key: parse_dist(data[key], _join(where, key), problems) if key in data else None
         for key in ("prompt_tokens", "max_tokens")
     }
