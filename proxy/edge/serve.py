@@ -365,6 +365,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            self._phase = IDLE  # the connection is another protocol's from here
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
