@@ -605,6 +605,9 @@ class GatewayApp:
             lifespan=lifespan,
             exception_handlers={HTTPException: _http_error, Exception: _server_error},
         )
+        # No redirect to the path with(out) a slash: Starlette builds it from the client's Host
+        # header, an open redirect before authentication. An unknown path is a plain 404.
+        self.starlette.router.redirect_slashes = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

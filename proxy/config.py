@@ -61,6 +61,16 @@ class ServerConfig(_Strict):
     admin_token_env: str = "TOKENLANE_ADMIN_TOKEN"
     api_keys_env: str = "TOKENLANE_API_KEYS"
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # Bounds on what a client may hold before its request is complete (and before it is
+    # authenticated). Header bounds are Envoy's defaults; a refusal is a 431 and a close.
+    max_request_header_bytes: int = Field(60 * 1024, ge=1024)  # the URL, names and values
+    max_request_headers: int = Field(100, ge=1)
+    request_head_timeout_s: float = Field(10.0, gt=0)  # from a head's first byte to its end
+    request_body_timeout_s: float = Field(60.0, gt=0)  # the longest gap between body bytes
+    silent_connection_timeout_s: float = Field(10.0, gt=0)  # a new connection sending nothing
+    # Open client connections, each one fd (and a relayed stream one more upstream): past it a
+    # new connection gets a 503 and is closed. Well above the 1,000-stream benchmark.
+    max_connections: int = Field(4096, ge=1)
 
 
 class ReplicaConfig(_Strict):

@@ -5,18 +5,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
+import resource
 import signal
 import socket
 import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
+import httptools
 import uvicorn
+from prometheus_client import CollectorRegistry, Counter
 from starlette.types import Message
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from proxy.app import Gateway, configure_logging, create_app
-from proxy.config import Policy
+from proxy.config import Policy, ServerConfig
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
     START_BODY,
@@ -24,6 +36,7 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
+from proxy.errors import error_body
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
@@ -91,10 +104,228 @@ class CoalescingCycle(RequestResponseCycle):
             capture.flush()
 
 
+# ---------------------------------------------------------------------------- edge bounds
+#
+# What a client may hold before its request is complete, and before it is authenticated:
+# header bytes and count, time to send a head, gaps in a body, a connection that sends
+# nothing, and the number of open connections. Decisions are pure functions over ``Bounds``;
+# the protocol below only keeps the counts and one timer per connection.
+
+REFUSAL_REASONS = (
+    "header_bytes",  # 431: the URL, header names and values over max_request_header_bytes
+    "header_count",  # 431: more than max_request_headers
+    "head_timeout",  # 408: a head not complete within request_head_timeout_s of its first byte
+    "body_timeout",  # 408: no body byte for request_body_timeout_s
+    "silent",  # closed: a new connection that sent nothing for silent_connection_timeout_s
+    "connection_cap",  # 503: more than max_connections open
+    "malformed",  # 400: not HTTP/1.1 the parser accepts
+)
+# After a refusal the answer is written, the write side shut, and what the client still sends
+# read and dropped for this long: closing at once with unread input makes the kernel send a
+# reset, which can destroy the answer before the client reads it.
+LINGER_S = 2.0
+# A head's framing beyond what is counted: ": " and CRLF per header line, and the request
+# line's method, spaces and version.
+_FRAMING_PER_LINE = 4
+_REQUEST_LINE_FRAMING = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The ``server.*`` bounds a connection is held to (a snapshot taken when it opens)."""
+
+    max_header_bytes: int
+    max_headers: int
+    head_timeout_s: float
+    body_timeout_s: float
+    silent_timeout_s: float
+    max_connections: int
+    # Bytes an unfinished head may take on the wire. httptools buffers a header line until it
+    # ends (by concatenation: quadratic), so one endless header is refused while it is still
+    # arriving, once it cannot fit the counted bound whatever its framing.
+    raw_head_cap: int
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> Bounds:
+        return cls(
+            max_header_bytes=server.max_request_header_bytes,
+            max_headers=server.max_request_headers,
+            head_timeout_s=server.request_head_timeout_s,
+            body_timeout_s=server.request_body_timeout_s,
+            silent_timeout_s=server.silent_connection_timeout_s,
+            max_connections=server.max_connections,
+            raw_head_cap=server.max_request_header_bytes
+            + _FRAMING_PER_LINE * server.max_request_headers
+            + _REQUEST_LINE_FRAMING,
+        )
+
+
+def head_refusal(size: int, count: int, bounds: Bounds) -> str | None:
+    """Why a head with ``size`` bytes of URL, header names and values and ``count`` headers
+    is refused (as Envoy counts: names and values, the path included), or None."""
+    if count > bounds.max_headers:
+        return "header_count"
+    if size > bounds.max_header_bytes:
+        return "header_bytes"
+    return None
+
+
+# A connection's phase, for its one timer.
+IDLE = "idle"  # between requests, or a request being answered: nothing to time here
+SILENT = "silent"  # accepted, nothing received yet
+HEAD = "head"  # part of a head received
+BODY = "body"  # head complete, body not
+LINGER = "linger"  # refused: the answer is out, input is dropped until the close
+
+
+@dataclass(frozen=True, slots=True)
+class TimerCall:
+    """What a connection's timer does when it fires: refuse for ``refuse``, else look again
+    after ``again_in`` seconds, else nothing (the timer is dropped until a phase needs it)."""
+
+    refuse: str | None = None
+    again_in: float | None = None
+    close: bool = False
+
+
+def on_timer(phase: str, since: float, now: float, reading_paused: bool, b: Bounds) -> TimerCall:
+    """The timer's decision. ``since``: when the phase began (for a body, its last byte).
+
+    A body is timed only while the server reads: with reading paused the server is waiting
+    on its own application (flow control), not on the client."""
+    if phase == SILENT:
+        limit, reason = b.silent_timeout_s, "silent"
+    elif phase == HEAD:
+        limit, reason = b.head_timeout_s, "head_timeout"
+    elif phase == BODY:
+        if reading_paused:
+            return TimerCall(again_in=b.body_timeout_s)
+        limit, reason = b.body_timeout_s, "body_timeout"
+    elif phase == LINGER:
+        left = since + LINGER_S - now
+        return TimerCall(again_in=left) if left > 0 else TimerCall(close=True)
+    else:
+        return TimerCall()
+    left = since + limit - now
+    return TimerCall(again_in=left) if left > 0 else TimerCall(refuse=reason)
+
+
+def refusal_answer(reason: str, b: Bounds) -> bytes:
+    """The bytes a refusal writes (none for a silent connection), in the gateway's error
+    shape, with ``Connection: close``."""
+    if reason == "silent":
+        return b""
+    extra = b""
+    if reason == "header_bytes":
+        status, kind = 431, "RequestHeaderFieldsTooLarge"
+        message = f"request headers too large: over {b.max_header_bytes} bytes"
+    elif reason == "header_count":
+        status, kind = 431, "RequestHeaderFieldsTooLarge"
+        message = f"too many request headers: over {b.max_headers}"
+    elif reason == "head_timeout":
+        status, kind = 408, "RequestTimeout"
+        message = f"request head not complete within {b.head_timeout_s:g}s"
+    elif reason == "body_timeout":
+        status, kind = 408, "RequestTimeout"
+        message = f"no request body received for {b.body_timeout_s:g}s"
+    elif reason == "connection_cap":
+        status, kind = 503, "ServiceUnavailableError"
+        message = f"too many open connections (over {b.max_connections}); retry shortly"
+        extra = b"retry-after: 1\r\n"
+    elif reason == "malformed":
+        status, kind = 400, "BadRequestError"
+        message = "invalid HTTP request"
+    else:
+        raise ValueError(f"unknown refusal reason {reason!r}")
+    body = json.dumps(error_body(message, kind, None, status)).encode()
+    return b"".join(
+        (
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            extra,
+            b"connection: close\r\n\r\n",
+            body,
+        )
+    )
+
+
+class Edge:
+    """What one server's connections share: the policy's current bounds and the refusal
+    counter (``tokenlane_connection_refusals_total{reason}``, on the gateway's registry)."""
+
+    def __init__(
+        self, server: Callable[[], ServerConfig], registry: CollectorRegistry | None
+    ) -> None:
+        self._server = server
+        self._of: tuple[ServerConfig, Bounds] | None = None
+        self.refusals = Counter(
+            "tokenlane_connection_refusals",
+            "Connections refused or closed by the gateway's HTTP edge before a request was "
+            "complete, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self._series = {reason: self.refusals.labels(reason) for reason in REFUSAL_REASONS}
+
+    def bounds(self) -> Bounds:
+        """The bounds of the policy in force (a reload applies to new connections)."""
+        server = self._server()
+        cached = self._of
+        if cached is None or cached[0] is not server:
+            cached = self._of = (server, Bounds.of(server))
+        return cached[1]
+
+    def refused(self, reason: str, client: tuple[str, int] | None) -> None:
+        self._series[reason].inc()
+        peer = f"{client[0]}:{client[1]}" if client else "?"
+        log.info("connection from %s refused: %s", peer, reason)
+
+
+_EDGES: weakref.WeakKeyDictionary[Gateway, Edge] = weakref.WeakKeyDictionary()
+_DEFAULT_SERVER = ServerConfig()
+
+
+def _server_of(gateway: Gateway) -> Callable[[], ServerConfig]:
+    # A weak reference: the edge is cached by gateway and must not keep it alive.
+    ref = weakref.ref(gateway)
+
+    def server() -> ServerConfig:
+        gw = ref()
+        return gw.policy.server if gw is not None else _DEFAULT_SERVER
+
+    return server
+
+
+def edge_for(app: object) -> Edge:
+    """The ``Edge`` of the gateway behind ``app`` (found through middleware wrappers' ``app``);
+    a plain ASGI app gets the default bounds and a counter of its own."""
+    for _ in range(8):
+        gateway = getattr(app, "gateway", None)
+        if isinstance(gateway, Gateway):
+            edge = _EDGES.get(gateway)
+            if edge is None:
+                edge = _EDGES[gateway] = Edge(_server_of(gateway), gateway.metrics.registry)
+            return edge
+        app = getattr(app, "app", None)
+        if app is None:
+            break
+    return Edge(lambda: _DEFAULT_SERVER, None)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a head that broke a bound."""
+
+
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection (neither
     asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
-    until the previous one is acknowledged), serving the ``START_WITH_BODY`` extension."""
+    until the previous one is acknowledged), serving the ``START_WITH_BODY`` extension.
+
+    It also holds each connection to the edge bounds (``Bounds``): header bytes and count
+    counted as the parser reports them, the bytes of an unfinished head, one timer per
+    connection for a silent socket, a slow head and a stalled body, and the connection cap.
+    A request followed by bytes that do not parse gets its answer first; then the 400."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -103,8 +334,108 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
         self._hooks: list[tuple[RequestResponseCycle, ClientGoneHook]] = []
+        config: Any = self.config
+        edge = config.__dict__.get("tokenlane_edge")
+        if edge is None:
+            edge = config.tokenlane_edge = edge_for(config.loaded_app)
+        self._edge: Edge = edge
+        b = self._bounds = edge.bounds()
+        self._head_open = True  # waiting for (the rest of) a head
+        self._head_raw = 0  # its bytes on the wire so far, counted by read
+        self._head_size = 0  # its URL, header names and values, as parsed
+        self._head_count = 0
+        self._refusal: str | None = None  # set when a bound broke or the connection is done
+        self._bad_input = False  # input that does not parse, after a request to answer first
+        self._phase = SILENT
+        self._since = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._arm(b.silent_timeout_s)
+        if len(self.connections) > b.max_connections:
+            self._refuse("connection_cap")
+
+    # ---------------------------------------------------------------- input
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # lingering after a refusal: input is dropped
+        self._unset_keepalive_if_required()
+        if self._head_open:
+            self._head_raw += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._phase = IDLE  # the connection is another protocol's from here
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError:
+            self._parse_failed()
+            return
+        if self._head_open:
+            if not self._head_raw:
+                self._phase = IDLE  # a request ended with this read; none begun after it
+            elif self._head_raw > self._bounds.raw_head_cap:
+                self._refuse("header_bytes")
+            elif self._phase is not HEAD:
+                self._phase = HEAD
+                self._since = self.loop.time()
+                self._arm(self._bounds.head_timeout_s)
+        elif self._phase is BODY:
+            self._since = self.loop.time()  # progress; the timer, armed, looks when it fires
+        else:
+            self._phase = BODY
+            self._since = self.loop.time()
+            self._arm(self._bounds.body_timeout_s)
+
+    def _parse_failed(self) -> None:
+        """Input that does not parse (or broke a bound in a parser callback)."""
+        if self._refusal is not None:  # a bound, from a callback
+            reason, self._refusal = self._refusal, None
+            self._refuse(reason)
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A request parsed before the bad bytes (in the same read) is answered first: stop
+            # reading; the 400 follows its response (``on_response_complete``).
+            self._bad_input = True
+            self.flow.pause_reading()
+            return
+        self._refuse("malformed")
+
+    def eof_received(self) -> bool | None:
+        if self._phase is LINGER:
+            self.transport.close()  # the client read its refusal and left
+        return None
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_size = 0
+        self._head_count = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._head_size += len(url)
+        if self._head_size > self._bounds.max_header_bytes:
+            self._refusal = "header_bytes"
+            raise _Refused
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value)
+        self._head_count += 1
+        b = self._bounds
+        if self._head_size > b.max_header_bytes or self._head_count > b.max_headers:
+            self._refusal = head_refusal(self._head_size, self._head_count, b)
+            raise _Refused
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._head_open = False
+        self._head_raw = 0
         super().on_headers_complete()
         # The request's cycle exists now and its app task has not run yet (a pipelined one
         # starts later). The extensions are advertised only when the cycle really is ours: a
@@ -126,8 +457,75 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             live.append((cycle, hook))
             self._hooks = live
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open = True
+
+    def on_response_complete(self) -> None:
+        if self._bad_input and not self.pipeline and not self.transport.is_closing():
+            self.server_state.total_requests += 1
+            self._refuse("malformed")  # every request before the bad bytes is answered
+            return
+        super().on_response_complete()
+
+    # ---------------------------------------------------------------- timer and refusals
+
+    def _arm(self, delay: float) -> None:
+        """The connection's one timer fires within ``delay`` (it may be due sooner already)."""
+        at = self.loop.time() + delay
+        timer = self._timer
+        if timer is not None:
+            if self._timer_at <= at:
+                return  # it fires first, and looks at the phase then
+            timer.cancel()
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        call = on_timer(
+            self._phase, self._since, self.loop.time(), self.flow.read_paused, self._bounds
+        )
+        if call.refuse is not None:
+            self._refuse(call.refuse)
+        elif call.close:
+            self.transport.close()
+        elif call.again_in is not None:
+            self._arm(call.again_in)
+
+    def _refuse(self, reason: str) -> None:
+        """Answer (for a silent connection: nothing), count, log, and close: at once when
+        nothing was sent, else after a linger in which input is read and dropped."""
+        self._refusal = reason
+        self._edge.refused(reason, self.client)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The application gets its disconnect now and writes nothing more.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        answer = refusal_answer(reason, self._bounds)
+        transport = self.transport
+        if not answer:
+            transport.close()
+            return
+        transport.write(answer)
+        self.flow.resume_reading()  # the input is drained while lingering
+        try:
+            transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            transport.close()
+            return
+        self._phase = LINGER
+        self._since = self.loop.time()
+        self._arm(LINGER_S)
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for cycle, hook in self._hooks:
             if not cycle.response_complete:
                 hook.fire()
@@ -201,6 +599,25 @@ class GatewayServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def _check_fd_limit(max_connections: int) -> None:
+    """Raise the soft fd limit to what the connection cap needs (a client fd and an upstream
+    one per stream, and some to spare), as far as the hard limit allows; warn if short."""
+    need = 2 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "open-file limit %d is below the %d that server.max_connections=%d needs",
+            soft,
+            need,
+            max_connections,
+        )
+
+
 def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "info") -> int:
     configure_logging(log_level)
     tune_gc()
@@ -210,6 +627,7 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
         app, policy.server.host, policy.server.port, timeout_graceful_shutdown=1.0
     )
     server = GatewayServer(config, app.gateway)
+    _check_fd_limit(policy.server.max_connections)
     log.info(
         "tokenlane listening on http://%s:%d (%d pools, %d lanes)",
         policy.server.host,

@@ -58,8 +58,11 @@ class TokenBucket:
         """Tokens from elsewhere (a lease from a shared budget; a refund)."""
         self.level = min(self.capacity, self.level + n)
 
-    def wait_s(self, cost: float) -> float:
-        """Seconds until ``cost`` fits (0 if it fits now; inf if it never can)."""
+    def wait_s(self, cost: int | float) -> float:
+        """Seconds until ``cost`` fits (0 if it fits now; inf if it never can).
+
+        ``cost`` may be any int a client can write (``max_tokens: 10**400``): Python compares
+        an int with a float exactly, and only a cost within ``capacity`` is ever converted."""
         if cost <= self.level:
             return 0.0
         if cost > self.capacity:
@@ -134,7 +137,10 @@ class LocalRateLimiter:
             kb = self.buckets[key] = _KeyBuckets()
         kb.requests = _sync(kb.requests, cfg.requests_per_min, now)
         kb.tokens = _sync(kb.tokens, cfg.tokens_per_min, now)
-        costs = ((kb.requests, 1.0), (kb.tokens, float(tokens)))
+        # The token cost stays an int: a client-chosen one may be beyond any float
+        # (``float(10**400)`` raises), and a cost over a minute's budget is refused as too
+        # large, whatever its size. Only a cost that fits is ever subtracted.
+        costs = ((kb.requests, 1), (kb.tokens, tokens))
         wait = max((b.wait_s(c) for b, c in costs if b is not None), default=0.0)
         allowed = wait == 0.0
         if allowed:

@@ -174,7 +174,7 @@ class LeasedRateLimiter:
         parts: list[tuple[str, int, float, Lease]] = []
         for kind, limit, cost in (
             ("requests", cfg.requests_per_min, 1.0),
-            ("tokens", cfg.tokens_per_min, float(tokens)),
+            ("tokens", cfg.tokens_per_min, tokens),  # an int: see LocalRateLimiter.check
         ):
             if limit is not None:
                 lease = self.leases.get((kind, key))
@@ -182,7 +182,8 @@ class LeasedRateLimiter:
                     lease = self.leases[(kind, key)] = Lease()
                 parts.append((kind, limit, cost, lease))
         too_large = any(cost > limit for _, limit, cost, _ in parts)
-        short = [p for p in parts if not may_spend(p[3], p[2], batch_size(p[1]))]
+        # A too-large cost is never spent: no arithmetic with it (it may be beyond any float).
+        short = [p for p in parts if not too_large and not may_spend(p[3], p[2], batch_size(p[1]))]
         allowed = not too_large and not short
         wait = 0.0
         if allowed:
