@@ -329,14 +329,17 @@ class Problem:
     line: int | None = None  # 1-based
     column: int | None = None  # 1-based
     env: str | None = None  # "TOKENLANE_X__Y=raw" when an override set the value
+    has_path: bool = True  # False for faults of the text itself (YAML syntax)
 
     def plain(self) -> str:
         """``path: message``, as the reload log and the admin API report it."""
+        if not self.has_path:
+            return self.message
         return f"{format_path(self.loc)}: {self.message}"
 
     def located(self, name: str) -> str:
         """The line ``tokenlane check`` prints: where, path, message and hint."""
-        text = f"{format_path(self.loc)}: {self.message}{self.hint}"
+        text = f"{self.plain()}{self.hint}"
         if self.env is not None:
             return f"{self.env} (environment): {text}"
         if self.line is None:
@@ -389,8 +392,8 @@ def _yaml_error(exc: yaml.YAMLError, name: str) -> Problem:
     )
     message = f"not valid YAML in {name}: {what or exc}"
     if mark is None:
-        return Problem((), message)
-    return Problem((), message, line=mark.line + 1, column=mark.column + 1)
+        return Problem((), message, has_path=False)
+    return Problem((), message, line=mark.line + 1, column=mark.column + 1, has_path=False)
 
 
 def parse_yaml(text: str, name: str = "<policy>") -> Any:
@@ -649,7 +652,9 @@ def analyse(
         try:
             from_env[apply_override(data, env_path, value)] = f"{var}={raw}"
         except PolicyError as exc:
-            problems.extend(Problem((), m, env=f"{var}={raw}") for m in exc.problems)
+            problems.extend(
+                Problem((), m, env=f"{var}={raw}", has_path=False) for m in exc.problems
+            )
     for dotted, value in (overrides or {}).items():
         if value is not None:
             apply_override(data, dotted.split("."), value)
