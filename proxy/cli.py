@@ -6,11 +6,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from proxy.config import PolicyError, analyse, load_policy, policy_markdown, policy_schema
+from proxy.config import (
+    PolicyError,
+    analyse,
+    load_policy,
+    package_version,
+    policy_markdown,
+    policy_schema,
+)
 from proxy.demo import DEMO_FILE
 
 
@@ -110,14 +116,6 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def version() -> str:
-    """The installed distribution's version; the source tree's when it is not installed."""
-    try:
-        return metadata.version("tokenlane")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 def _demo(args: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
@@ -128,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenlane", description="A latency-aware gateway in front of vLLM replicas."
     )
-    parser.add_argument("--version", action="version", version=f"tokenlane {version()}")
+    parser.add_argument("--version", action="version", version=f"tokenlane {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the gateway with a policy file")

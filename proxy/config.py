@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
@@ -26,6 +27,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from proxy.routing.tokens import TokenizerError, load_counter
 
 ENV_PREFIX = "TOKENLANE_"
+
+
+def package_version() -> str:
+    """The installed distribution's version (``tokenlane --version``, ``tokenlane_build_info``);
+    ``0+unknown`` when run from a tree that was never installed."""
+    try:
+        return metadata.version("tokenlane")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 MiB = 1024 * 1024
 
 # Keys that a reload cannot change (DESIGN 4.2 marks the others with †); a reload that changes

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm  # the dev extra: Helm's Go engine, no helm binary needed
 import httpx
 import kubernetes_validate
 import pytest
@@ -22,8 +23,6 @@ from proxy.config import analyse
 
 from .gateway import policy_for, running_gateway
 from .servers import free_port
-
-helm = pytest.importorskip("helm_python", reason="pip install -e '.[dev]' (helm-python-sdk)")
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy/helm/tokenlane"
