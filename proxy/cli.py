@@ -16,6 +16,7 @@ from proxy.config import (
     package_version,
     policy_markdown,
     policy_schema,
+    with_key_table,
 )
 from proxy.demo import DEMO_FILE
 
@@ -110,6 +111,14 @@ def _render_explanation(result: dict[str, Any]) -> str:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    if args.write_docs:
+        path = Path(args.write_docs)
+        try:
+            path.write_text(with_key_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 1
+        return 0
     print(policy_markdown() if args.markdown else json.dumps(policy_schema(), indent=2), end="")
     if not args.markdown:
         print()
@@ -142,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the policy's JSON Schema (or its key table)")
     p.add_argument("--markdown", action="store_true", help="docs/policy.md's table instead")
+    p.add_argument("--write-docs", metavar="PATH", help="update the table in PATH (docs/policy.md)")
     p.set_defaults(func=_schema)
 
     p = sub.add_parser("explain", help="show how a request would be routed (no network)")

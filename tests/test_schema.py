@@ -12,7 +12,15 @@ import jsonschema
 import pytest
 import yaml
 
-from proxy.config import Policy, policy_keys, policy_markdown, policy_schema
+from proxy.config import (
+    DOCS_BEGIN,
+    DOCS_END,
+    Policy,
+    policy_keys,
+    policy_markdown,
+    policy_schema,
+    with_key_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = [*sorted((ROOT / "config").glob("*.yaml")), ROOT / "proxy/policy.demo.yaml"]
@@ -25,7 +33,28 @@ def test_committed_schema_is_up_to_date() -> None:
 
 def test_committed_key_table_is_up_to_date() -> None:
     committed = (ROOT / "docs/policy.md").read_text()
-    assert committed == policy_markdown(), "run: tokenlane schema --markdown > docs/policy.md"
+    assert policy_markdown() in committed, "run: tokenlane schema --write-docs docs/policy.md"
+    assert with_key_table(committed) == committed
+
+
+def test_write_docs_replaces_only_the_table(tmp_path: Path) -> None:
+    doc = tmp_path / "policy.md"
+    doc.write_text(f"# Prose\n\n{DOCS_BEGIN}\n| stale |\n{DOCS_END}\n\nMore prose.\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "schema", "--write-docs", str(doc)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert doc.read_text() == f"# Prose\n\n{policy_markdown()}\nMore prose.\n"
+    doc.write_text("no markers\n")
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "proxy", "schema", "--write-docs", str(doc)], cwd=ROOT
+        ).returncode
+        == 1
+    )
 
 
 def test_tokenlane_schema_prints_the_schema() -> None:
