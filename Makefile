@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 run: venv
 ifeq ($(POLICY),)
-	$(PY) -m proxy demo
+	$(PY) -m proxy demo --policy config/policy.demo.yaml
 else
 	$(PY) -m proxy serve --config $(POLICY)
 endif

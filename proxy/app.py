@@ -533,6 +533,15 @@ def build_routes(gw: Gateway) -> list[Route]:
             return _json({"status": "ready"})
         return _json({"status": "not ready", "lanes_without_replica": missing}, 503)
 
+    async def ready_gateway(request: Request) -> Response:
+        # For an orchestrator's readiness probe: this instance can answer (a policy is loaded:
+        # it is built from one) and is not draining. Replica health is left out on purpose: a
+        # fleet outage then gives clients the gateway's 503 with a reason, not a refused
+        # connection because every gateway left the Service. `/ready` keeps its meaning.
+        if gw.shutting_down:
+            return _json({"status": "draining"}, 503)
+        return _json({"status": "ready", "policy_version": gw.version})
+
     async def metrics(request: Request) -> Response:
         gw.outcomes.flush()  # every request that ended before the scrape is in it
         m = gw.metrics
@@ -546,6 +555,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/ready/gateway", ready_gateway, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     try:

@@ -1,4 +1,4 @@
-"""``tokenlane serve / check / explain / sim / demo / loadtest`` (DESIGN 4.1)."""
+"""``tokenlane serve / check / schema / explain / sim / demo / loadtest`` (DESIGN 4.1)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.config import PolicyError, load_policy
+from proxy.config import (
+    PolicyError,
+    analyse,
+    load_policy,
+    package_version,
+    policy_markdown,
+    policy_schema,
+    with_key_table,
+)
+from proxy.demo import DEMO_FILE
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -33,9 +42,15 @@ def _print_problems(path: str, exc: PolicyError) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        policy = load_policy(args.path)
-    except PolicyError as exc:
-        _print_problems(args.path, exc)
+        text = Path(args.path).read_text(encoding="utf-8")
+    except OSError as exc:
+        print(f"{args.path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    policy, problems = analyse(text, args.path)
+    if problems or policy is None:
+        print(f"{args.path}: {len(problems)} problem(s)", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem.located(args.path)}", file=sys.stderr)
         return 1
     replicas = sum(len(p.replicas) for p in policy.pools.values())
     print(
@@ -95,6 +110,21 @@ def _render_explanation(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _schema(args: argparse.Namespace) -> int:
+    if args.write_docs:
+        path = Path(args.write_docs)
+        try:
+            path.write_text(with_key_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    print(policy_markdown() if args.markdown else json.dumps(policy_schema(), indent=2), end="")
+    if not args.markdown:
+        print()
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from proxy.demo import run_demo
 
@@ -105,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenlane", description="A latency-aware gateway in front of vLLM replicas."
     )
+    parser.add_argument("--version", action="version", version=f"tokenlane {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the gateway with a policy file")
@@ -118,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.set_defaults(func=_check)
 
+    p = sub.add_parser("schema", help="print the policy's JSON Schema (or its key table)")
+    p.add_argument("--markdown", action="store_true", help="docs/policy.md's table instead")
+    p.add_argument("--write-docs", metavar="PATH", help="update the table in PATH (docs/policy.md)")
+    p.set_defaults(func=_schema)
+
     p = sub.add_parser("explain", help="show how a request would be routed (no network)")
     p.add_argument("--config", required=True)
     p.add_argument("request", help="a JSON request body")
@@ -127,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_explain)
 
     p = sub.add_parser("demo", help="a simulated fleet and a gateway on this machine")
-    p.add_argument("--policy", default=None, help="demo policy (default: the embedded one)")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help=f"the policy file to serve and watch (default: ./{DEMO_FILE}, "
+        "written from the embedded default when missing)",
+    )
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8080)")
     p.set_defaults(func=_demo)
 

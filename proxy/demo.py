@@ -4,10 +4,16 @@ One simulator process per replica of the demo policy, on the replica's port, und
 that restarts a replica after a ``crash`` fault; the gateway in this process. Ctrl-C or SIGTERM
 drains the gateway, then stops every simulator: no process is left behind (the simulators
 also exit when this process dies, as their stdin closes).
+
+The policy the demo serves is a real file it watches: ``--policy PATH``, else
+``./tokenlane-demo.yaml``, written from the embedded default when missing. So a newcomer edits an
+ordinary file in a checkout, after ``pip install`` and in the container alike, and every save
+(in place, by rename, or by ``sed -i``) reloads the gateway.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -15,6 +21,23 @@ from urllib.parse import urlsplit
 from proxy.config import Policy, PolicyError, load_policy
 
 DEMO_POLICY = Path(__file__).with_name("policy.demo.yaml")
+DEMO_FILE = "tokenlane-demo.yaml"
+
+log = logging.getLogger("tokenlane.demo")
+
+
+def demo_policy_file(explicit: str | None, cwd: Path) -> tuple[Path, bool]:
+    """The file the demo serves and watches, and whether it was just written: ``explicit``,
+    else ``cwd/tokenlane-demo.yaml`` with the embedded default copied in when missing (an
+    existing one is the newcomer's edits: never overwritten)."""
+    if explicit:
+        return Path(explicit), False
+    path = cwd / DEMO_FILE
+    if path.exists():
+        return path, False
+    path.write_text(DEMO_POLICY.read_text(encoding="utf-8"), encoding="utf-8")
+    return path, True
+
 
 # Engine settings per pool, as a GPU operator would tune the real replicas: the interactive
 # replica takes small steps so a long prompt never holds a short one for long; the bulk
@@ -50,9 +73,16 @@ def sim_specs(policy: Policy) -> list[tuple[str, list[str]]]:
     return specs
 
 
-def banner(policy: Policy, urls: dict[str, str]) -> str:
+def banner(policy: Policy, urls: dict[str, str], policy_path: str = "") -> str:
     base = f"http://{policy.server.host}:{policy.server.port}"
     lines = ["", "Tokenlane demo: a simulated vLLM fleet behind the gateway", ""]
+    if policy_path:
+        lines += [
+            f"  policy       {policy_path}",
+            "               edit it: each save reloads the gateway (a change it cannot apply is",
+            "               logged and the running policy stays)",
+            "",
+        ]
     for pool_name, pool in policy.pools.items():
         for replica in pool.replicas:
             lines.append(f"  {pool_name:<12} {replica.label:<8} {urls.get(replica.label, '?')}")
@@ -82,9 +112,19 @@ def banner(policy: Policy, urls: dict[str, str]) -> str:
 
 def run_demo(policy_path: str | None = None, port: int | None = None) -> int:
     from loadtest.sim.supervisor import SimSpec, Supervisor
+    from proxy.app import configure_logging
     from proxy.edge.serve import serve
 
-    path = policy_path or str(DEMO_POLICY)
+    configure_logging("info")
+    try:
+        file, created = demo_policy_file(policy_path, Path.cwd())
+    except OSError as exc:
+        print(f"demo: cannot write {DEMO_FILE} here ({exc}); pass --policy PATH", file=sys.stderr)
+        return 1
+    path = str(file.resolve())
+    if created:
+        log.info("demo: wrote the default policy to %s", path)
+    log.info("demo policy %s: editing it reloads the gateway", path)
     try:
         policy = load_policy(path, overrides={"server.port": port})
     except PolicyError as exc:
@@ -97,7 +137,7 @@ def run_demo(policy_path: str | None = None, port: int | None = None) -> int:
         print(f"demo: {exc} (is a port of {path} in use?)", file=sys.stderr)
         return 1
     try:
-        print(banner(policy, urls), flush=True)
+        print(banner(policy, urls, path), flush=True)
         return serve(policy, policy_path=path)
     finally:
         supervisor.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import pytest
 from starlette.applications import Starlette
 
 from proxy.config import Policy, PolicyError, build_policy
-from proxy.edge.admin import Forbidden, admin_routes, check_auth
+from proxy.edge.admin import Forbidden, admin_routes, check_auth, epoch_row
 from proxy.errors import Unauthorized
 from proxy.fleet.fleet import Fleet
 from proxy.observe.metrics import Metrics
@@ -214,3 +215,67 @@ async def test_admin_reload_invalid_policy_is_422_with_problems(admin) -> None:
     body = resp.json()
     assert body["problems"] == ["lanes[0].pool: unknown pool 'bluk'"]
     assert body["error"]["message"] and gw.version == 1
+
+
+# ---------------------------------------------------------------------------- by name, one clock
+
+
+async def test_admin_actions_take_the_replica_name(admin) -> None:
+    client, gw = admin
+    resp = await client.post("/admin/replicas/eject", json={"name": "10.0.0.1:8000"})
+    assert (resp.status_code, resp.json()["url"], resp.json()["state"]) == (200, A, "ejected")
+    # The name of B is in two pools, like its URL: the pool decides.
+    assert_openai_error(
+        await client.post("/admin/replicas/drain", json={"name": "10.0.0.2:8000"}), 400
+    )
+    resp = await client.post(
+        "/admin/replicas/drain", json={"name": "10.0.0.2:8000", "pool": "bulk"}
+    )
+    assert (resp.json()["pool"], resp.json()["state"]) == ("bulk", "draining")
+    assert gw.fleet.find(B, "fast")[0].state.value == "probing"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"name": "nobody"}, 404),
+        ({"name": "10.0.0.1:8000", "pool": "bulk"}, 404),
+        ({"name": "10.0.0.1:8000", "url": A}, 400),  # one or the other
+        ({"name": ""}, 400),
+        ({"name": 3}, 400),
+    ],
+)
+async def test_admin_action_by_name_rejects_unknown_or_malformed(admin, body, status) -> None:
+    client, gw = admin
+    assert_openai_error(await client.post("/admin/replicas/eject", json=body), status)
+    assert all(r.state.value == "probing" for r in gw.fleet.replicas())
+
+
+@pytest.mark.parametrize(
+    ("scraped_at", "fleet_now", "epoch_now", "expected"),
+    [
+        (None, 500.0, 1_700_000_000.0, None),
+        (498.5, 500.0, 1_700_000_000.0, 1_699_999_998.5),
+        (500.0, 500.0, 1_700_000_000.25, 1_700_000_000.25),
+    ],
+)
+def test_epoch_row_puts_scrape_times_on_the_wall_clock(
+    scraped_at: float | None, fleet_now: float, epoch_now: float, expected: float | None
+) -> None:
+    row = {"name": "r", "stats": {"scraped_at": scraped_at, "state_changed_at": 1.0}}
+    out = epoch_row(row, fleet_now, epoch_now)
+    assert out["stats"]["scraped_at"] == expected
+    assert out["stats"]["state_changed_at"] == 1.0
+    assert row["stats"]["scraped_at"] == scraped_at  # the input is not changed
+
+
+async def test_admin_row_times_are_epoch_seconds(admin) -> None:
+    client, gw = admin
+    replica = gw.fleet.find(A)[0]
+    replica.stats.at = gw.fleet.clock() - 2.0  # scraped two seconds ago, on the fleet clock
+    gw.fleet.operator_eject(replica)
+    before = time.time()
+    row = (await client.get("/admin/replicas")).json()["replicas"][0]
+    after = time.time()
+    assert before - 3.0 <= row["stats"]["scraped_at"] <= after - 1.0
+    assert before - 60 <= row["stats"]["state_changed_at"] <= after

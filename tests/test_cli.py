@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from proxy.config import package_version
+from proxy.demo import DEMO_FILE, DEMO_POLICY, demo_policy_file
+from proxy.observe.metrics import Metrics
 
 from .servers import free_ports, wait_http_ok
 
@@ -69,6 +74,22 @@ def test_sim_and_loadtest_take_their_own_arguments() -> None:
     assert load.returncode == 0 and "--base-url" in load.stdout
 
 
+def replace_file(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def wait_metric(port: int, line: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{line!r} never appeared in /metrics")
+
+
 def _listening(port: int) -> bool:
     try:
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
@@ -97,7 +118,7 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     ready = False
     try:
         with contextlib.suppress(TimeoutError):
-            wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
+            wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=120)
             ready = True
         if not ready:
             return  # reported below, with what the demo wrote
@@ -112,13 +133,46 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
         )
         assert r.status_code == 200
         assert all(_listening(p) for p in sim_ports)
+        # Saved by rename, as editors and `sed -i` do: the demo reloads it; a broken save is
+        # refused and logged, the running policy stays.
+        edited = path.read_text()
+        replace_file(path, edited + "\nretry:\n  max_attempts: 2\n")
+        wait_metric(gw_port, 'tokenlane_policy_reloads_total{result="ok"} 1.0')
+        replace_file(path, edited + "\nretry:\n  max_atempts: 2\n")
+        wait_metric(gw_port, 'tokenlane_policy_reloads_total{result="invalid"} 1.0')
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
         assert ready, f"the demo never got ready:\n{err.decode()[-3000:]}"
     assert proc.returncode == 0
     assert f"http://127.0.0.1:{gw_port}" in out.decode()  # the banner names the URLs
+    assert f"policy       {path.resolve()}" in out.decode()  # and the file it watches
+    log = err.decode()
+    assert f"demo policy {path.resolve()}: editing it reloads the gateway" in log
+    assert "policy reload refused" in log and "retry.max_atempts: unknown key" in log
     deadline = time.monotonic() + 10
     while any(_listening(p) for p in sim_ports) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_listening(p) for p in sim_ports), "a simulator outlived the demo"
+
+
+def test_demo_writes_the_embedded_default_once_and_never_overwrites(tmp_path: Path) -> None:
+    path, created = demo_policy_file(None, tmp_path)
+    assert (path, created) == (tmp_path / DEMO_FILE, True)
+    assert path.read_text() == DEMO_POLICY.read_text() and not path.is_symlink()
+    path.write_text(path.read_text() + "# mine\n")
+    again, created = demo_policy_file(None, tmp_path)
+    assert (again, created) == (path, False)
+    assert path.read_text().endswith("# mine\n")
+    explicit, created = demo_policy_file(str(tmp_path / "x.yaml"), tmp_path)
+    assert (explicit, created) == (tmp_path / "x.yaml", False)
+    assert not explicit.exists()
+
+
+def test_version_in_cli_and_build_info() -> None:
+    out = tokenlane("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"tokenlane {package_version()}"
+    assert package_version() not in ("", "0+unknown")  # the dev install is installed
+    registry = Metrics().registry
+    assert registry.get_sample_value("tokenlane_build_info", {"version": package_version()}) == 1

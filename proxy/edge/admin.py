@@ -12,7 +12,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -63,14 +65,87 @@ def check_auth(authorization: str | None, client_host: str | None, token: str | 
 
 
 ACTION_KEYS = {
-    "eject": {"url", "pool"},
-    "drain": {"url", "pool"},
-    "readmit": {"url", "pool", "force"},
+    "eject": {"url", "name", "pool"},
+    "drain": {"url", "name", "pool"},
+    "readmit": {"url", "name", "pool", "force"},
 }
 
 
+@dataclass(frozen=True)
+class Target:
+    """The replica an admin action means: by ``url`` or by ``name`` (the label every log,
+    metric and admin row uses), optionally narrowed to a pool."""
+
+    url: str | None
+    name: str | None
+    pool: str | None
+    force: bool
+
+
+def parse_target(action: str, raw: bytes) -> Target:
+    """The body of eject / readmit / drain; ``BadRequest`` when malformed."""
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        raise BadRequest("body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest('body must be a JSON object such as {"name": "bulk-0"}')
+    unknown = sorted(set(body) - ACTION_KEYS[action])
+    if unknown:
+        raise BadRequest(f"unknown key(s) for {action}: {', '.join(unknown)}", param=unknown[0])
+    url, name = body.get("url"), body.get("name")
+    pool, force = body.get("pool"), body.get("force", False)
+    if (url is None) == (name is None):
+        raise BadRequest("give exactly one of `url` and `name`", param="url")
+    for key, value in (("url", url), ("name", name)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise BadRequest(f"`{key}` must be a non-empty string", param=key)
+    if pool is not None and not isinstance(pool, str):
+        raise BadRequest("`pool` must be a string", param="pool")
+    if not isinstance(force, bool):
+        raise BadRequest("`force` must be true or false", param="force")
+    return Target(url, name, pool, force)
+
+
+def find_target(fleet: Fleet, target: Target) -> Replica:
+    """The one replica ``target`` means; ``NotFound`` or ``BadRequest`` (ambiguous)."""
+    if target.url is not None:
+        try:
+            return fleet.one(target.url, target.pool)
+        except UnknownReplica as exc:
+            raise NotFound(str(exc), param="url") from None
+        except AmbiguousReplica as exc:
+            raise BadRequest(str(exc), param="pool") from None
+    found = [
+        r
+        for r in fleet.replicas()
+        if r.name == target.name and (target.pool is None or r.pool == target.pool)
+    ]
+    where = f" in pool {target.pool!r}" if target.pool is not None else ""
+    if not found:
+        raise NotFound(f"no replica named {target.name!r}{where}", param="name")
+    if len(found) > 1:
+        pools = ", ".join(sorted(r.pool for r in found))
+        raise BadRequest(
+            f"{target.name!r} is in several pools ({pools}); name the pool", param="pool"
+        )
+    return found[0]
+
+
+def epoch_row(row: dict[str, Any], fleet_now: float, epoch_now: float) -> dict[str, Any]:
+    """A replica row with every time in epoch seconds: the fleet stamps scrapes with its own
+    (monotonic) clock, state changes with the wall clock; an operator compares them only on
+    one clock."""
+    stats = dict(row["stats"])
+    at = stats.get("scraped_at")
+    if at is not None:
+        stats["scraped_at"] = round(epoch_now - (fleet_now - at), 3)
+    return {**row, "stats": stats}
+
+
 def parse_action(action: str, raw: bytes) -> tuple[str, str | None, bool]:
-    """The body of eject / readmit / drain → (url, pool, force); ``BadRequest`` when malformed."""
+    """The body of eject / readmit / drain by URL → (url, pool, force); ``BadRequest`` when
+    malformed. (``parse_target`` also takes a replica's name.)"""
     try:
         body = json.loads(raw) if raw else None
     except ValueError:
@@ -110,20 +185,18 @@ def admin_routes(gateway: AdminGateway) -> list[Route]:
 
         return endpoint
 
+    def row(replica: Replica) -> dict[str, Any]:
+        return epoch_row(replica.row(), gateway.fleet.clock(), time.time())
+
     async def replicas(request: Request) -> Response:
-        return JSONResponse({"replicas": [r.row() for r in gateway.fleet.replicas()]})
+        return JSONResponse({"replicas": [row(r) for r in gateway.fleet.replicas()]})
 
     def action(name: str, apply: Callable[[Replica, bool], None]) -> Handler:
         async def endpoint(request: Request) -> Response:
-            url, pool, force = parse_action(name, await request.body())
-            try:
-                replica = gateway.fleet.one(url, pool)
-            except UnknownReplica as exc:
-                raise NotFound(str(exc), param="url") from None
-            except AmbiguousReplica as exc:
-                raise BadRequest(str(exc), param="pool") from None
-            apply(replica, force)
-            return JSONResponse(replica.row())
+            target = parse_target(name, await request.body())
+            replica = find_target(gateway.fleet, target)
+            apply(replica, target.force)
+            return JSONResponse(row(replica))
 
         return endpoint
 

@@ -28,6 +28,7 @@ that figure, so the newcomer holds about ``weight`` times the in-flight requests
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -568,8 +569,8 @@ class Fleet:
         replica.capped = None
         if self.metrics is not None:
             self.metrics.ejections.labels(replica.pool, replica.name, reason.value).inc()
-        lasts = "until readmitted" if math.isinf(until) else f"for {until - now:.1f}s"
-        self._move(replica, ReplicaState.EJECTED, reason, now, f"{detail} {lasts}".strip())
+        lasts = "until_readmitted" if math.isinf(until) else f"{until - now:.1f}s"
+        self._move(replica, ReplicaState.EJECTED, reason, now, detail, ejected_for=lasts)
         if had_cap:
             self._update_panic(replica.pool)
         self._rescue(replica, now)
@@ -621,19 +622,33 @@ class Fleet:
         detail: str,
         *,
         shared: bool = True,
+        ejected_for: str | None = None,
     ) -> None:
         before = replica.state
         replica.state = to
         replica.reason = reason
         replica.since = now
         replica.changed_at = time.time()
+        # One field per fact: a field that does not apply is left out (no "reason=None"), and
+        # the ejection's length is its own field, not part of the evidence.
+        fields = [
+            f"replica={replica.name}",
+            f"pool={replica.pool}",
+            f"from={before.value}",
+            f"to={to.value}",
+        ]
+        if reason is not None:
+            fields.append(f"reason={reason.value}")
+        if ejected_for is not None:
+            fields.append(f"ejected_for={ejected_for}")
+        if detail:
+            fields.append(f"evidence={json.dumps(detail)}")
         log.info(
-            "replica=%s pool=%s from=%s to=%s reason=%s %s",
-            replica.name, replica.pool, before.value, to.value,
-            reason.value if reason else None, detail,
+            "%s", " ".join(fields),
             extra={
                 "replica": replica.name, "pool": replica.pool, "from_state": before.value,
                 "to_state": to.value, "reason": reason.value if reason else None,
+                "evidence": detail or None, "ejected_for": ejected_for,
             },
         )  # fmt: skip
         self.publish_state(replica)

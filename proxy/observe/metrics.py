@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.config import LaneConfig
+from proxy.config import LaneConfig, package_version
 
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
@@ -80,6 +80,13 @@ RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejec
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.build_info = Gauge(
+            "tokenlane_build_info",
+            "Always 1; the running version in the label (join on it to see a rollout).",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(package_version()).set(1)
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "tokenlane_requests",
