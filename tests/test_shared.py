@@ -19,22 +19,13 @@ from proxy.config import RateLimitsConfig, RedisConfig, build_policy
 from proxy.fleet.fleet import EjectReason, Fleet, ReplicaState
 from proxy.observe.metrics import Metrics
 from proxy.routing.ratelimit import LocalRateLimiter
-from proxy.state.shared import (
-    Breaker,
-    FleetView,
-    Lease,
-    LeasedRateLimiter,
-    LocalState,
-    RedisState,
-    ReplicaRecord,
-    Unavailable,
-    batch_size,
-    lease_amount,
-    may_spend,
-    settle,
-    shared_state_for,
-    sum_load,
-)
+from proxy.state.codec import ReplicaRecord, sum_load
+from proxy.state.leases import Lease, LeasedRateLimiter, batch_size, lease_amount, may_spend, settle
+from proxy.state.local import LocalState
+from proxy.state.redis_state import RedisState
+from proxy.state.redislink import Breaker, Unavailable
+from proxy.state.shared import shared_state_for
+from proxy.state.view import FleetView
 
 from .redis_server import RedisServer, running_redis
 
@@ -331,7 +322,7 @@ CRASHER = textwrap.dedent(
     """
     import asyncio, sys
     from proxy.config import RedisConfig
-    from proxy.state.shared import RedisState
+    from proxy.state.redis_state import RedisState
 
     class View:
         def records(self): return []
