@@ -408,6 +408,10 @@ class RedisState:
             try:
                 if self._up:
                     await self.sync()
+                    if self._pending:
+                        # A write that failed while the breaker stayed closed is still
+                        # pending; the write loop waits for news, so wake it to retry.
+                        self._dirty.set()
                 elif self.breaker.allows(True, self.clock()):
                     await self._resync()
                     self._set_up(True, "re-synced after an outage")
