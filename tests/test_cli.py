@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from .servers import free_ports, wait_http_ok
+from .waiting import WaitTimeout, wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +96,7 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     )
     ready = False
     try:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(WaitTimeout):
             wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=30)
             ready = True
         if not ready:
@@ -118,7 +118,8 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
         assert ready, f"the demo never got ready:\n{err.decode()[-3000:]}"
     assert proc.returncode == 0
     assert f"http://127.0.0.1:{gw_port}" in out.decode()  # the banner names the URLs
-    deadline = time.monotonic() + 10
-    while any(_listening(p) for p in sim_ports) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_listening(p) for p in sim_ports), "a simulator outlived the demo"
+    wait_until_sync(
+        lambda: not any(_listening(p) for p in sim_ports),
+        what="the simulators end with the demo",
+        poll=0.1,
+    )
