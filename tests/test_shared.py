@@ -73,7 +73,7 @@ class View:
 
 # A call's bound: short enough for outage tests to stay quick, wide enough that a loaded
 # machine's scheduling hiccup is not taken for Redis being down.
-TIMEOUT_MS = 500
+TIMEOUT_MS = 2000
 
 
 def cfg(url: str, **kw: float) -> RedisConfig:
@@ -351,7 +351,7 @@ CRASHER = textwrap.dedent(
         def remote_load(self, m): pass
 
     async def main():
-        cfg = RedisConfig(url=sys.argv[1], timeout_ms=500, heartbeat_s=0.2, ttl_s=1.0)
+        cfg = RedisConfig(url=sys.argv[1], timeout_ms=2000, heartbeat_s=0.2, ttl_s=1.0)
         state = RedisState(sys.argv[1], lambda: cfg, instance="doomed")
         await state.start(View())
         print("up" if state.up else "down", flush=True)
@@ -423,8 +423,8 @@ async def test_breaker_opens_when_redis_is_paused_and_calls_stay_bounded(
                     started = time.monotonic()
                     with pytest.raises(Unavailable):
                         await a.sync()
-                    # bounded by timeout_ms (redis-py's own defaults wait 5 s, and retry)
-                    assert time.monotonic() - started < 4 * TIMEOUT_MS / 1000
+                    # bounded by timeout_ms (redis-py's own defaults may wait without end)
+                    assert time.monotonic() - started < TIMEOUT_MS / 1000 + 3.0
                 assert not a.up and metrics.shared_state_up._value.get() == 0
                 a.publish(ejected())  # never waits, never raises
                 with pytest.raises(Unavailable, match="breaker open"):
@@ -432,7 +432,9 @@ async def test_breaker_opens_when_redis_is_paused_and_calls_stay_bounded(
                 assert a.remote_in_flight(U1) == 0
                 probes = a.breaker.failures + 2
                 await wait_until(
-                    lambda: a.breaker.failures >= probes, what="probes keep failing quietly"
+                    lambda: a.breaker.failures >= probes,
+                    what="probes keep failing quietly",
+                    timeout=30,  # each waits out timeout_ms
                 )
             downs = [r for r in caplog.records if "unreachable" in r.getMessage()]
             assert len(downs) == 1
@@ -482,7 +484,7 @@ async def test_stale_transition_made_during_an_outage_does_not_undo_a_newer_ejec
             with contextlib.suppress(Unavailable):
                 for _ in range(2):
                     await a.sync()
-            await wait_until(lambda: not a.up, what="a cut off")
+            await wait_until(lambda: not a.up, what="a cut off", timeout=30)
         finally:
             redis_server.resume()
         await wait_until(lambda: b.up, what="b back on Redis (the pause may have reached it)")
