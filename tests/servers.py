@@ -60,7 +60,10 @@ async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Asyn
     server = _QuietServer(cfg)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await wait_until(lambda: server.started or task.done(), what="uvicorn started", poll=0.005)
+        # A backstop only: a lifespan may take its time on a loaded machine (joining Redis).
+        await wait_until(
+            lambda: server.started or task.done(), what="uvicorn started", timeout=120, poll=0.005
+        )
         if task.done():
             task.result()
             raise RuntimeError("server exited during start-up")
