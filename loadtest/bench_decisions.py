@@ -17,7 +17,9 @@ from proxy.config import Policy, ReplicaConfig, build_policy
 from proxy.fleet.fleet import Replica, ReplicaState
 from proxy.fleet.vllm import EngineSample
 from proxy.routing.balance import pick
-from proxy.routing.classify import Estimator, match_lane, profile_request
+from proxy.routing.estimate import Estimator
+from proxy.routing.lanes import match_lane
+from proxy.routing.profile import profile_request
 
 REPEATS = 5
 

@@ -51,7 +51,9 @@ from proxy.observe.outcomes import Outcomes
 from proxy.relay.call import Call
 from proxy.relay.relay import DROP_UPSTREAM, Relay, make_client
 from proxy.routing.admission import Admission
-from proxy.routing.classify import Estimator, match_lane, profile_request
+from proxy.routing.estimate import Estimator
+from proxy.routing.lanes import match_lane
+from proxy.routing.profile import profile_request
 from proxy.state.shared import FleetView, shared_state_for
 
 log = logging.getLogger("tokenlane")

@@ -61,7 +61,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from proxy.routing.classify import explain_request
+    from proxy.routing.explain import explain_request
+    from proxy.routing.tokens import TokenizerError, load_counter
 
     try:
         policy = load_policy(args.config)
@@ -77,7 +78,13 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 1
     kind = args.kind or ("completion" if "prompt" in body and "messages" not in body else "chat")
-    result = explain_request(policy, body, kind, args.chars_per_token)
+    tokenizer_file = policy.estimate.tokenizer_file
+    try:
+        counter = load_counter(tokenizer_file) if tokenizer_file else None
+    except TokenizerError as exc:
+        print(f"{args.config}: estimate.tokenizer_file: {exc}", file=sys.stderr)
+        return 1
+    result = explain_request(policy, body, kind, args.chars_per_token, counter=counter)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

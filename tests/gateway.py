@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
@@ -18,6 +17,7 @@ from proxy.config import Policy, build_policy
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .servers import free_port, run_process, serve_app
+from .waiting import TIMEOUT_S, WaitTimeout, wait_until
 
 
 def policy_for(
@@ -45,27 +45,28 @@ def policy_for(
     return data
 
 
-async def wait_ready(url: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
+async def wait_ready(url: str, timeout_s: float = TIMEOUT_S) -> None:
+    """Until the gateway at ``url`` answers /ready with 200; ``WaitTimeout`` otherwise."""
     async with httpx.AsyncClient() as client:
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url + "/ready")).status_code == 200:
-                    return
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"gateway at {url} not ready after {timeout_s}s")
-            await asyncio.sleep(0.02)
+
+        async def ready() -> bool:
+            try:
+                return (await client.get(url + "/ready")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_until(ready, what=f"gateway at {url} ready", timeout=timeout_s, poll=0.02)
 
 
-async def wait_healthy(app: GatewayApp, count: int, timeout_s: float = 10.0) -> None:
+async def wait_healthy(app: GatewayApp, count: int, timeout_s: float = TIMEOUT_S) -> None:
     """Until ``count`` replicas are healthy (when /ready cannot tell: a lane is meant to
     have none)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while sum(r.state.value == "healthy" for r in app.gateway.fleet.replicas()) < count:
-        if loop.time() > deadline:
-            raise TimeoutError(f"fewer than {count} healthy replicas after {timeout_s}s")
-        await asyncio.sleep(0.02)
+    await wait_until(
+        lambda: sum(r.state.value == "healthy" for r in app.gateway.fleet.replicas()) >= count,
+        what=f"{count} healthy replicas",
+        timeout=timeout_s,
+        poll=0.02,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -111,7 +112,7 @@ async def gateway_process(policy: dict[str, Any], tmp: Path) -> AsyncIterator[tu
     with run_process(argv) as proc:
         try:
             await wait_ready(url, timeout_s=30)
-        except TimeoutError:
+        except WaitTimeout:
             proc.kill()
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
             raise RuntimeError(f"gateway did not start:\n{err[-3000:]}") from None

@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import httpx
 import uvicorn
+
+from .waiting import WaitTimeout, wait_until, wait_until_sync
 
 
 def bound_socket(host: str = "127.0.0.1") -> socket.socket:
@@ -59,11 +60,13 @@ async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Asyn
     server = _QuietServer(cfg)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("server exited during start-up")
-            await asyncio.sleep(0.005)
+        # A backstop only: a lifespan may take its time on a loaded machine (joining Redis).
+        await wait_until(
+            lambda: server.started or task.done(), what="uvicorn started", timeout=120, poll=0.005
+        )
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during start-up")
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
@@ -75,16 +78,15 @@ async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Asyn
 
 
 def wait_http_ok(url: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
+    """Until ``url`` answers 200; ``WaitTimeout`` otherwise."""
+
+    def ok() -> bool | str:
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until_sync(ok, what=f"{url} answers 200", timeout=timeout_s, poll=0.05)
 
 
 @contextlib.contextmanager
@@ -103,7 +105,7 @@ def run_process(
         if ready_url:
             try:
                 wait_http_ok(ready_url)
-            except TimeoutError:
+            except WaitTimeout:
                 proc.kill()
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
                 raise RuntimeError(f"{argv} did not start:\n{err[-4000:]}") from None

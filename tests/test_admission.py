@@ -18,6 +18,7 @@ from loadtest.sim.server import run_sim
 
 from .gateway import policy_for, running_gateway
 from .servers import free_port
+from .waiting import wait_until
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -76,14 +77,6 @@ def metric(app: Any, name: str, *labels: str) -> float:
     return getattr(app.gateway.metrics, name).labels(*labels)._value.get()
 
 
-async def until(cond: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.01)
-
-
 # ---------------------------------------------------------------------------- the queue
 
 
@@ -98,7 +91,10 @@ async def test_twenty_bulk_requests_give_two_running_four_queued_fourteen_429s()
                     for i in range(20)
                 ]
                 # Each admitted request streams for ~1.2 s; the refusals come back first.
-                await until(lambda: sum(t.done() for t in tasks) >= 14 and up.now == 2)
+                await wait_until(
+                    lambda: sum(t.done() for t in tasks) >= 14 and up.now == 2,
+                    what="sum(t.done() for t in tasks) >= 14 and up.now == 2",
+                )
                 assert app.gateway.admission.depths()["bulk"] == 4
                 assert len(up.tags) == 2  # the two running ones are all that reached upstream
                 results = await asyncio.gather(*tasks)
@@ -125,12 +121,18 @@ async def test_queued_client_that_disconnects_is_never_sent_upstream() -> None:
                 holder = asyncio.create_task(
                     post(client, url, chat("holder", tokens=30, interval_ms=20))
                 )
-                await until(lambda: up.now == 1)
+                await wait_until(lambda: up.now == 1, what="up.now == 1")
                 leaver = asyncio.create_task(post(client, url, chat("leaver")))
-                await until(lambda: app.gateway.admission.depths()["l"] == 1)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["l"] == 1,
+                    what='app.gateway.admission.depths()["l"] == 1',
+                )
                 leaver.cancel()  # closes its connection while it waits in the queue
                 await asyncio.gather(leaver, return_exceptions=True)
-                await until(lambda: app.gateway.admission.depths()["l"] == 0)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["l"] == 0,
+                    what='app.gateway.admission.depths()["l"] == 0',
+                )
                 status, _, _ = await holder
                 after = await post(client, url, chat("after"))
     assert status == 200 and after[0] == 200
@@ -148,7 +150,7 @@ async def test_queue_timeout_answers_503_with_retry_after() -> None:
                 holder = asyncio.create_task(
                     post(client, url, chat("holder", tokens=100, interval_ms=30))
                 )
-                await until(lambda: up.now == 1)
+                await wait_until(lambda: up.now == 1, what="up.now == 1")
                 started = time.monotonic()
                 status, ended, resp = await post(client, url, chat("late"))
                 holder_status, holder_ended, _ = await holder
@@ -186,7 +188,10 @@ async def test_replica_limit_holds_across_replicas_and_requests_queue_for_it() -
                     asyncio.create_task(post(client, url, chat(f"r{i}", tokens=10, interval_ms=30)))
                     for i in range(12)
                 ]
-                await until(lambda: app.gateway.admission.depths()["all"] == 8)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["all"] == 8,
+                    what='app.gateway.admission.depths()["all"] == 8',
+                )
                 results = await asyncio.gather(*tasks)
     assert [s for s, _, _ in results] == [200] * 12
     assert (a.peak, b.peak) == (2, 2)
@@ -226,13 +231,22 @@ async def test_higher_priority_lane_is_served_first_on_a_shared_pool() -> None:
                 holder = asyncio.create_task(
                     post(client, url, chat("holder", tokens=30, interval_ms=20))
                 )
-                await until(lambda: up.now == 1)
+                await wait_until(lambda: up.now == 1, what="up.now == 1")
                 long1 = asyncio.create_task(post(client, url, chat("long1", tokens=20)))
-                await until(lambda: app.gateway.admission.depths()["long"] == 1)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["long"] == 1,
+                    what='app.gateway.admission.depths()["long"] == 1',
+                )
                 short1 = asyncio.create_task(post(client, url, chat("short1", tokens=5)))
-                await until(lambda: app.gateway.admission.depths()["short"] == 1)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["short"] == 1,
+                    what='app.gateway.admission.depths()["short"] == 1',
+                )
                 long2 = asyncio.create_task(post(client, url, chat("long2", tokens=20)))
-                await until(lambda: app.gateway.admission.depths()["long"] == 2)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["long"] == 2,
+                    what='app.gateway.admission.depths()["long"] == 2',
+                )
                 results = await asyncio.gather(holder, long1, short1, long2)
     assert [s for s, _, _ in results] == [200] * 4
     assert up.tags == ["holder", "short1", "long1", "long2"]
@@ -264,7 +278,7 @@ async def test_saturated_pool_spills_to_its_spill_pool_and_counts_it() -> None:
                 holder = asyncio.create_task(
                     post(client, url, chat("holder", tokens=20, interval_ms=20))
                 )
-                await until(lambda: fast.now == 1)
+                await wait_until(lambda: fast.now == 1, what="fast.now == 1")
                 status, _, resp = await post(client, url, chat("spilled"))
                 await holder
     assert status == 200
@@ -324,7 +338,11 @@ async def test_short_lane_keeps_its_ttft_while_the_bulk_lane_is_saturated() -> N
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
                 alone = [await ttft(client, url, short) for _ in range(5)]
                 bulk_tasks = [asyncio.create_task(ttft(client, url, long_body)) for _ in range(12)]
-                await until(lambda: app.gateway.admission.depths()["long"] >= 8, 20)
+                await wait_until(
+                    lambda: app.gateway.admission.depths()["long"] >= 8,
+                    what='app.gateway.admission.depths()["long"] >= 8',
+                    timeout=20,
+                )
                 loaded = []
                 for _ in range(8):
                     loaded.append(await ttft(client, url, short))

@@ -17,6 +17,7 @@ from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app
+from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,10 +42,7 @@ async def test_a_request_queued_for_a_pool_that_a_reload_removes_gets_503_not_50
                     queued = asyncio.create_task(
                         client.post(url + "/v1/chat/completions", json=CHAT)
                     )
-                    for _ in range(500):
-                        if gw.admission.waiting:
-                            break
-                        await asyncio.sleep(0.01)
+                    await wait_until(lambda: gw.admission.waiting, what="a request queued")
                     assert gw.admission.waiting == 1
                     after = policy_for({"b": [b.url]}, lanes=[{"name": "all", "pool": "b"}])
                     path.write_text(yaml.safe_dump(after))

@@ -1,4 +1,4 @@
-"""Token estimation, request profiles and lane matching (DESIGN 5)."""
+"""Token estimation, request profiles and lane matching."""
 
 from __future__ import annotations
 
@@ -11,19 +11,16 @@ import pytest
 
 from proxy.config import LaneConfig, LaneWhen, Policy, build_policy
 from proxy.routing.balance import rendezvous_order
-from proxy.routing.classify import (
+from proxy.routing.estimate import Estimator
+from proxy.routing.explain import explain_request
+from proxy.routing.lanes import NoLaneMatched, _lane_conditions, _lane_holds, match_lane
+from proxy.routing.profile import (
     AUDIO_URL_TOKENS,
     CHAT_OVERHEAD_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     VIDEO_IMAGES,
-    Estimator,
-    NoLaneMatched,
     Profile,
-    _lane_conditions,
-    _lane_holds,
     affinity_key,
-    explain_request,
-    match_lane,
     max_prefix_chars,
     output_tokens_for,
     profile_request,

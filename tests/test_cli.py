@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from proxy.demo import DEMO_FILE, DEMO_POLICY, demo_policy_file
 from proxy.observe.metrics import Metrics
 
 from .servers import free_ports, wait_http_ok
+from .waiting import WaitTimeout, wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,13 +81,12 @@ def replace_file(path: Path, text: str) -> None:
 
 
 def wait_metric(port: int, line: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def shown() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            if line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{line!r} never appeared in /metrics")
+            return line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        return False
+
+    wait_until_sync(shown, timeout=timeout_s, what=f"{line!r} in /metrics", poll=0.1)
 
 
 def _listening(port: int) -> bool:
@@ -117,7 +116,7 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     )
     ready = False
     try:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(WaitTimeout):
             wait_http_ok(f"http://127.0.0.1:{gw_port}/ready", timeout_s=120)
             ready = True
         if not ready:
@@ -150,10 +149,11 @@ def test_demo_serves_and_leaves_no_process_behind(tmp_path: Path) -> None:
     log = err.decode()
     assert f"demo policy {path.resolve()}: editing it reloads the gateway" in log
     assert "policy reload refused" in log and "retry.max_atempts: unknown key" in log
-    deadline = time.monotonic() + 10
-    while any(_listening(p) for p in sim_ports) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_listening(p) for p in sim_ports), "a simulator outlived the demo"
+    wait_until_sync(
+        lambda: not any(_listening(p) for p in sim_ports),
+        what="the simulators end with the demo",
+        poll=0.1,
+    )
 
 
 def test_demo_writes_the_embedded_default_once_and_never_overwrites(tmp_path: Path) -> None:

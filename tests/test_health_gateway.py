@@ -19,6 +19,7 @@ from proxy.app import GatewayApp
 from proxy.fleet.fleet import EjectReason, Replica, ReplicaState
 
 from .gateway import policy_for, running_gateway
+from .waiting import wait_until
 
 HEALTH = {
     "interval_s": 0.2,
@@ -53,14 +54,9 @@ def replica_of(app: GatewayApp, sim: Sim) -> Replica:
     return app.gateway.fleet.find(sim.url)[0]
 
 
-async def until_state(r: Replica, state: ReplicaState, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while r.state is not state:
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{r.name} not {state.value} within {timeout_s}s (is {r.state.value})"
-            )
-        await asyncio.sleep(0.01)
+async def until_state(r: Replica, state: ReplicaState) -> float:
+    """When (monotonic) ``r`` is in ``state``."""
+    await wait_until(lambda: r.state is state, what=f"{r.name} {state.value}")
     return time.monotonic()
 
 
@@ -90,7 +86,7 @@ async def test_stalled_replica_is_ejected_in_time_and_its_waiting_requests_finis
             await asyncio.sleep(1.0)
             stalled_at = time.monotonic()
             await sims[0].set_fault({"fault": "stall"})
-            ejected_at = await until_state(stalled, ReplicaState.EJECTED, 5)
+            ejected_at = await until_state(stalled, ReplicaState.EJECTED)
             assert stalled.reason is EjectReason.STALL
             await asyncio.sleep(1.5)
         ejected_wall = stalled.changed_at
@@ -138,9 +134,9 @@ async def test_replica_answering_503_is_ejected_for_consecutive_failures_and_rea
             await sims[0].set_fault(
                 {"fault": "error_rate", "rate": 1.0, "status": 503, "duration_s": 2.0}
             )
-            await until_state(bad, ReplicaState.EJECTED, 5)
+            await until_state(bad, ReplicaState.EJECTED)
             assert bad.reason is EjectReason.CONSECUTIVE_FAILURES
-            back_at = await until_state(bad, ReplicaState.HEALTHY, 8)
+            back_at = await until_state(bad, ReplicaState.HEALTHY)
             await asyncio.sleep(0.3)
     assert back_at >= set_at + 2.0  # canaries failed while the fault held
     # 503 before anything was sent is retried elsewhere: no client saw an error.
@@ -158,7 +154,7 @@ async def test_silent_first_tokens_eject_for_first_token_timeout() -> None:
         async with load(url) as sent:
             await asyncio.sleep(0.8)
             await sims[0].set_fault({"fault": "stall"})
-            await until_state(silent, ReplicaState.EJECTED, 5)
+            await until_state(silent, ReplicaState.EJECTED)
             await asyncio.sleep(0.5)
     assert silent.reason in (EjectReason.FIRST_TOKEN_TIMEOUT, EjectReason.SILENT_STREAM)
     failed = [s.result for s in sent if s.result.outcome != OK]
@@ -180,9 +176,9 @@ async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(
             await asyncio.sleep(0.5)
             set_at = time.monotonic()
             await sims[0].set_fault({**fault, "duration_s": 1.5})
-            await until_state(dead, ReplicaState.EJECTED, 5)
+            await until_state(dead, ReplicaState.EJECTED)
             assert dead.reason in (EjectReason.HEALTH_CHECK, EjectReason.CONSECUTIVE_FAILURES)
-            back_at = await until_state(dead, ReplicaState.HEALTHY, 8)
+            back_at = await until_state(dead, ReplicaState.HEALTHY)
     assert back_at >= set_at + 1.5  # readmitted only once the fault lifted
     failed = [s.result for s in sent if s.result.outcome != OK]
     # Connects refused and (opted in) resets are retried; only streams cut mid-way by the crash

@@ -28,6 +28,7 @@ from loadtest.prompts import shared_prefix_text
 from loadtest.runner import STOPPED_EARLY, LoadTestError, main, parse_trace, run_trace
 from loadtest.stats import CONNECT_ERROR, HTTP_ERROR, INCOMPLETE, OK, PENDING, STREAM_ERROR
 from tests.servers import free_port, serve_app
+from tests.waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROLE_WAIT_S = 0.15  # between the role chunk and the first content chunk
@@ -183,10 +184,8 @@ async def test_stop_when_cuts_requests_in_flight_and_leaves_later_ones_unsent():
             url, reqs, model="m", stop_when=lambda rs: rs[1].outcome != PENDING
         )
         elapsed = asyncio.get_running_loop().time() - started
-        for _ in range(100):  # the cut stream's connection closes, its generator ends
-            if fake.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        # the cut stream's connection closes, its generator ends
+        await wait_until(lambda: fake.in_flight == 0, what="the fake's streams end")
     assert elapsed < 2.5  # well before the third arrival
     assert results[1].outcome == HTTP_ERROR
     assert results[0].outcome == INCOMPLETE and results[0].error == STOPPED_EARLY

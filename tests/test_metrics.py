@@ -3,11 +3,9 @@ retry, a spill, a rejection, an ejection), and `promtool check metrics` accepts 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,6 +16,7 @@ from loadtest.fake_upstream import running
 
 from .gateway import policy_for, running_gateway, wait_healthy
 from .servers import free_port
+from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -162,9 +161,9 @@ async def test_access_log_is_one_json_line_per_request_without_secrets(
                     )
                     assert r.status_code == 200
                 # Lines are written within FLUSH_S, off the request's path.
-                deadline = time.monotonic() + 2
-                while not has_access_line(caplog) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.005)
+                await wait_until(
+                    lambda: has_access_line(caplog), what="the access line", poll=0.005
+                )
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "tokenlane.access"]
     assert len(lines) == 1
     record = json.loads(lines[0])

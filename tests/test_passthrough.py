@@ -15,6 +15,7 @@ import pytest
 from loadtest.fake_upstream import MODEL, FakeUpstream, running
 
 from .gateway import content_of, policy_for, running_gateway
+from .waiting import wait_until
 
 AUDIO = b"RIFF\x00\x01\x02\x03WAVEfmt \r\n--not-a-boundary\r\n" + bytes(range(256)) * 40
 WHISPER = "openai/whisper-large-v3"
@@ -97,16 +98,11 @@ async def test_client_disconnect_mid_passthrough_closes_the_upstream_within_a_se
                         if n >= 3:
                             break
                 closed_at = time.monotonic()
-            deadline = closed_at + 1.0
-            while up.stats.disconnects == 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: up.stats.disconnects, what="upstream hears the disconnect")
             assert up.stats.disconnects == 1
             assert up.stats.disconnected_at[0] - closed_at < 1.0
             replica = next(app.gateway.fleet.replicas())
-            for _ in range(100):
-                if replica.in_flight == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: replica.in_flight == 0, what="the replica's slot freed")
             assert replica.in_flight == 0
 
 

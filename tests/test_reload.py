@@ -23,6 +23,7 @@ from proxy.fleet.discovery import Discovery, expand, expand_replica
 
 from .gateway import policy_for, wait_ready
 from .servers import bound_socket
+from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -64,13 +65,6 @@ async def replica_of_next_request(url: str) -> str:
         return r.headers["x-tokenlane-replica"]
 
 
-async def until(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 async def test_editing_the_file_reloads_and_keeps_replica_state(tmp_path: Path) -> None:
     async with running(tokens=2) as a, running(tokens=2) as b:
         path = tmp_path / "policy.yaml"
@@ -84,7 +78,7 @@ async def test_editing_the_file_reloads_and_keeps_replica_state(tmp_path: Path) 
             async def switched() -> bool:
                 return app.gateway.version == 2
 
-            await until(switched)
+            await wait_until(switched, what="switched")
             assert await replica_of_next_request(url) == b.url.removeprefix("http://")
             # The replica that stayed is the same object, with its health and counters.
             assert app.gateway.fleet.find(a.url)[0] is replica_a
@@ -154,7 +148,7 @@ async def test_sighup_reloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             async def reloaded() -> bool:
                 return app.gateway.version == 2
 
-            await until(reloaded, 3)
+            await wait_until(reloaded, what="reloaded")
             assert await replica_of_next_request(url) == b.url.removeprefix("http://")
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 

@@ -33,6 +33,7 @@ from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app
+from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 Handler = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -178,12 +179,6 @@ async def exchange(url: str, *requests: bytes) -> list[Response]:
             writer.write(request)
             answers.append(await read_response(reader))
     return answers
-
-
-async def until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------- scope
@@ -405,7 +400,7 @@ async def test_client_closing_while_the_app_waits_fires_the_callback_once(
                 reset_on_close(writer)
             writer.close()
             closed_at = time.monotonic()
-            await until(lambda: bool(app.fired), 1.0)
+            await wait_until(lambda: bool(app.fired), what="bool(app.fired)")
             assert len(app.fired) == 1
             assert app.fired[0] - closed_at < 1.0
             await asyncio.sleep(0.1)  # nothing fires it again
@@ -455,7 +450,7 @@ async def test_client_closing_fires_only_the_callback_of_the_request_in_progress
             assert (await read_response(reader)).body == b"done"
             writer.write(get("/waits"))
             await waiting.wait()
-        await until(lambda: bool(fired), 1.0)
+        await wait_until(lambda: bool(fired), what="bool(fired)")
     assert fired == ["/waits"]
 
 
@@ -493,7 +488,7 @@ async def test_the_running_request_hears_of_the_client_leaving_with_another_pipe
             reset_on_close(writer)
             writer.close()
             closed_at = time.monotonic()
-            await until(lambda: bool(fired), 1.0)
+            await wait_until(lambda: bool(fired), what="bool(fired)")
             assert time.monotonic() - closed_at < 1.0
     assert fired == ["/running"]
 
@@ -538,11 +533,11 @@ async def test_gateway_under_plain_uvicorn_closes_the_upstream_when_the_client_l
                     if n > 6:
                         break
             closed_at = time.monotonic()
-        await until(lambda: up.stats.disconnects > 0, 1.0)
+        await wait_until(lambda: up.stats.disconnects > 0, what="up.stats.disconnects > 0")
         assert up.stats.disconnects == 1
         assert up.stats.disconnected_at[0] - closed_at < 1.0
         replica = next(app.gateway.fleet.replicas())
-        await until(lambda: replica.in_flight == 0, 1.0)
+        await wait_until(lambda: replica.in_flight == 0, what="replica.in_flight == 0")
         assert replica.in_flight == 0
 
 

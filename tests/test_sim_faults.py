@@ -15,6 +15,8 @@ import pytest
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 
+from .waiting import wait_until
+
 SETTINGS = SimSettings(step_fixed_s=0.005, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
                        request_overhead_s=0.0)  # fmt: skip
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
@@ -46,18 +48,8 @@ class Reader:
         except httpx.HTTPError as exc:
             self.error = exc
 
-    async def wait_events(self, n: int, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.events) < n:
-            assert time.monotonic() < deadline, f"only {len(self.events)} events"
-            await asyncio.sleep(0.005)
-
-
-async def _eventually(check, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    async def wait_events(self, n: int) -> None:
+        await wait_until(lambda: len(self.events) >= n, what=f"{n} events", poll=0.005)
 
 
 def _gauge(text: str, name: str) -> float:
@@ -149,9 +141,9 @@ async def test_refuse_closes_the_port_until_duration_passes(client):
     async with run_sim(SETTINGS) as s:
         resp = await client.post(s.url + "/sim/fault", json={"fault": "refuse", "duration_s": 0.6})
         assert resp.json()["fault"] == "refuse"
-        await _eventually(lambda: _refused(s.url))
+        await wait_until(lambda: _refused(s.url), what="the port refuses", poll=0.02)
         t0 = time.monotonic()
-        await _eventually(lambda: _reachable(s.url))
+        await wait_until(lambda: _reachable(s.url), what="the port answers again", poll=0.02)
         assert time.monotonic() - t0 < 3
         assert (await client.get(s.url + "/sim/fault")).json() == {"fault": None}
 
@@ -213,7 +205,7 @@ async def test_crash_in_process_cuts_connections_then_returns_fresh(client):
         await asyncio.wait_for(stream.task, 5)
         assert stream.error is not None  # cut mid-stream, no [DONE]
         assert await _refused(s.url)
-        await _eventually(lambda: _reachable(s.url))
+        await wait_until(lambda: _reachable(s.url), what="the port answers again", poll=0.02)
         text = (await client.get(s.url + "/metrics")).text
         stats = s.stats()
     assert _gauge(text, "vllm:generation_tokens_total") == 0  # a new engine, new counters

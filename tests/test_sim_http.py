@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
@@ -13,6 +12,8 @@ import pytest
 
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
+
+from .waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -300,10 +301,10 @@ async def test_client_disconnect_aborts_the_request_in_the_engine(client):
             async for _ in resp.aiter_bytes():
                 break  # the first token arrived: the request is running
             assert s.engine.num_running == 1
-        for _ in range(200):
-            if s.stats()["disconnects"] == 1 and s.engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: s.stats()["disconnects"] == 1 and s.engine.num_running == 0,
+            what="the simulator hears the disconnect and aborts",
+        )
         stats = s.stats()
         text = (await client.get(s.url + "/metrics")).text
     assert stats["disconnects"] == 1 and stats["running"] == 0 and stats["aborted"] == 1

@@ -14,6 +14,8 @@ import pytest
 
 from loadtest.sim.supervisor import SimSpec, Supervisor, restart_args
 
+from .waiting import wait_until_sync
+
 SIM = [sys.executable, "-m", "loadtest.sim"]
 
 
@@ -39,13 +41,6 @@ def _gone(pid: int) -> bool:
     # A zombie still answers kill(0); it is gone once its state says so.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] == "Z"
-
-
-def _wait(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def _health(url: str) -> int | None:
@@ -106,12 +101,18 @@ def test_crash_exits_the_process_and_the_supervisor_restarts_it_after_duration()
         resp = httpx.post(url + "/sim/fault", json={"fault": "crash", "duration_s": 1.0}, timeout=5)
         assert resp.status_code == 200
         t0 = time.monotonic()
-        _wait(lambda: sup.status()[0]["state"] == "crashed")
+        wait_until_sync(
+            lambda: sup.status()[0]["state"] == "crashed",
+            what='sup.status()[0]["state"] == "crashed"',
+        )
         assert sup.status()[0]["exit_code"] == 70
         assert _health(url) is None  # nothing listens while it is down
-        _wait(lambda: _health(url) == 200)
+        wait_until_sync(lambda: _health(url) == 200, what="_health(url) == 200")
         assert time.monotonic() - t0 >= 0.9  # not before duration_s
-        _wait(lambda: sup.status()[0]["state"] == "running")
+        wait_until_sync(
+            lambda: sup.status()[0]["state"] == "running",
+            what='sup.status()[0]["state"] == "running"',
+        )
         a, b = sup.status()
         pids |= {a["pid"], b["pid"]}
         assert (a["state"], a["restarts"], b["restarts"]) == ("running", 1, 0)
@@ -122,7 +123,7 @@ def test_crash_exits_the_process_and_the_supervisor_restarts_it_after_duration()
         sup.stop()
     assert len(pids) == 3
     for pid in pids:
-        _wait(lambda pid=pid: _gone(pid), 5)
+        wait_until_sync(lambda pid=pid: _gone(pid), what="lambda pid=pid: _gone(pid)")
 
 
 async def test_supervisor_runs_from_asyncio_with_bare_argument_lists():
@@ -138,4 +139,4 @@ async def test_supervisor_runs_from_asyncio_with_bare_argument_lists():
         await sup.astop()
     assert all(s["state"] == "stopped" for s in sup.status())
     for pid in pids:
-        _wait(lambda pid=pid: _gone(pid), 5)
+        wait_until_sync(lambda pid=pid: _gone(pid), what="lambda pid=pid: _gone(pid)")

@@ -10,15 +10,15 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from proxy.config import EstimateConfig, PolicyError, build_policy
-from proxy.routing.classify import (
+from proxy.routing.estimate import Estimator
+from proxy.routing.explain import explain_request
+from proxy.routing.profile import (
     CHAT_OVERHEAD_TOKENS,
     COMPLETION_PROMPT_OVERHEAD_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
-    Estimator,
-    explain_request,
     profile_request,
 )
-from proxy.routing.tokens import TokenCounter
+from proxy.routing.tokens import TokenCounter, load_counter
 
 from .gateway import policy_for
 from .test_cli import tokenlane
@@ -96,7 +96,7 @@ def test_check_and_explain_use_the_tokenizer(tokenizer_file: str, tmp_path: Path
     path.write_text(yaml.safe_dump(policy))
     assert tokenlane("check", str(path)).returncode == 0
     body = {"messages": [{"role": "user", "content": "hello world"}]}
-    out = explain_request(build_policy(policy), body, "chat")
+    out = explain_request(build_policy(policy), body, "chat", counter=load_counter(tokenizer_file))
     assert out["tokenizer_file"] == tokenizer_file
     assert out["profile"]["prompt_tokens_est"] == 2 + MESSAGE_OVERHEAD_TOKENS + CHAT_OVERHEAD_TOKENS
     request = tmp_path / "req.json"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from proxy.edge import validate
 from proxy.errors import Rejected, Unauthorized
-from proxy.routing.classify import output_tokens_for
+from proxy.routing.profile import output_tokens_for
 from proxy.routing.ratelimit import RateLimiter
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from proxy.fleet.fleet import Replica
 
 if TYPE_CHECKING:
     from proxy.config import LaneConfig
-    from proxy.routing.classify import Profile
+    from proxy.routing.profile import Profile
 
 
 @dataclass(eq=False, slots=True)

@@ -30,7 +30,7 @@ from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.transport import RawResponseStream, RelayTransport
 from proxy.routing import balance
-from proxy.routing.classify import affinity_key
+from proxy.routing.profile import affinity_key
 
 if TYPE_CHECKING:
     from starlette.types import Send

@@ -12,7 +12,7 @@ would pass). A request costing more than a whole minute's tokens can never pass;
 with the longest ``Retry-After`` and a message that says so.
 
 The seam for shared limits (issue 7): ``RateLimiter`` is what the gateway calls. The local one
-(here) refills its buckets from the clock; the shared one (``ratelimit_shared``) decides from a
+(here) refills its buckets from the clock; the shared one (``proxy.state.leases``) decides from a
 local stock too, without I/O per request, and refills it by leasing batches of tokens from Redis
 in the background, so several gateways share one budget without a round trip per request.
 """

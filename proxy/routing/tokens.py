@@ -1,6 +1,6 @@
 """Exact prompt token counts from a Hugging Face ``tokenizer.json`` (``estimate.tokenizer_file``).
 
-Without one, prompt tokens are estimated from characters (``classify.Estimator``). With one, the
+Without one, prompt tokens are estimated from characters (``estimate.Estimator``). With one, the
 text of a request is tokenized as the replica's model will tokenize it: the chat template's
 framing, images and audio are still estimated, but the text, which is most of a long prompt, is
 counted exactly. The tokenizer is the ``tokenizers`` library (Rust), the one vLLM's own

@@ -1,8 +1,8 @@
-"""Rate limits shared by several gateway instances (DESIGN 5 "Shared state"): leased from Redis.
+"""Rate limits shared by several gateway instances: leased from Redis.
 
 Every instance decides each request from a local stock per key and limit, with no Redis call
 on the request path. The stock comes in batches (``LEASE_FRACTION`` of a minute's limit)
-leased from one token bucket per key and limit kept in Redis (the ``LEASE`` script, which
+leased from one token bucket per key and limit kept in Redis (``scripts.LEASE``, which
 refills it by the Redis server's clock). ``RedisState``'s lease loop asks for the batches that
 ``LeasedRateLimiter.due`` lists and hands the answers to ``LeasedRateLimiter.settle``.
 
@@ -30,24 +30,6 @@ from proxy.routing.ratelimit import (
 LEASE_TICK_S = 0.25  # the lease loop looks at the stocks this often (and when woken)
 LEASE_FRACTION = 0.05  # one lease batch: 5 % of a minute's limit (at least 1)
 BUCKET_IDLE_MS = 120_000  # a shared bucket idle this long is full again: let Redis drop it
-
-# Take up to ARGV[2] units from the per-minute bucket of limit ARGV[1] (refilled continuously at
-# limit/60 per second, by the server's clock). Returns {granted, level after}.
-LEASE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local limit = tonumber(ARGV[1])
-local want = tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'level', 'at')
-local level = tonumber(v[1]) or limit
-local at = tonumber(v[2]) or now
-level = math.min(limit, level + math.max(0, now - at) * limit / 60)
-local grant = math.max(0, math.min(want, level))
-level = level - grant
-redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {tostring(grant), tostring(level)}
-"""
 
 
 class LeaseHolder(Protocol):

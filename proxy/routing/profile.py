@@ -1,4 +1,4 @@
-"""What a request costs and which lane it belongs to (DESIGN 5: token estimation, lanes).
+"""What a request costs: its profile, from one walk over the parsed body.
 
 Pure functions over the parsed body; no I/O. This runs for every request, so it walks the body
 once, counts characters with ``len`` (O(1) on ``str``), and never serialises the body: only
@@ -14,37 +14,22 @@ Estimate of prompt tokens::
     + exact count of token-id prompts             # completions with ids need no estimate
 
 ``chars_per_token`` starts at ``estimate.chars_per_token`` and is learned per model from the
-``usage.prompt_tokens`` that replicas report (``Estimator.observe``).
+``usage.prompt_tokens`` that replicas report (``proxy.routing.estimate.Estimator``); which lane
+the profile takes is ``proxy.routing.lanes``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from fnmatch import translate
-from re import compile as re_compile
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from proxy.config import EstimateConfig, LaneConfig, Policy
-from proxy.routing.balance import rendezvous_order
-from proxy.routing.tokens import TokenCounter, load_counter
-
-__all__ = [
-    "Estimator",
-    "LaneMatch",
-    "NoLaneMatched",
-    "Profile",
-    "affinity_key",
-    "explain_request",
-    "match_lane",
-    "max_prefix_chars",
-    "output_tokens_for",
-    "profile_request",
-]
+from proxy.config import LaneConfig, Policy
+from proxy.routing.tokens import TokenCounter
 
 Kind = Literal["chat", "completion"]
+
 
 # Chat templates wrap each message in a few special tokens (ChatML: "<|im_start|>role\n...
 # <|im_end|>\n" is 4-5) and end with the assistant's opening; OpenAI's cookbook counts 3 + 3.
@@ -91,109 +76,16 @@ class Profile:
     fixed_tokens: int = 0
 
 
-class Estimator:
-    """Characters-per-token ratios, learned per model from reported usage.
+class Rates(Protocol):
+    """What profiling needs from the learner (``proxy.routing.estimate.Estimator``): a protocol,
+    so that the profile does not depend on how the ratios are learned."""
 
-    Each observation's ratio is clamped to [min_ratio, max_ratio] and folded in by an
-    exponentially weighted moving average, so one odd response (a prompt of emoji, a truncated
-    prompt) moves the estimate a little and never to nonsense. Requests whose cost is dominated
-    by guesses (images, audio, video) or that are too short to measure are not learned from.
-    """
-
-    __slots__ = (
-        "_default",
-        "_ratios",
-        "alpha",
-        "counter",
-        "image_tokens",
-        "max_models",
-        "max_ratio",
-        "min_chars",
-        "min_ratio",
-    )
-
-    def __init__(
-        self,
-        chars_per_token: float = 4.0,
-        image_tokens: int = 576,
-        *,
-        alpha: float = 0.1,
-        min_ratio: float = 1.5,
-        max_ratio: float = 8.0,
-        min_chars: int = 200,
-        max_models: int = 1024,
-        counter: TokenCounter | None = None,
-    ) -> None:
-        if chars_per_token <= 0:
-            raise ValueError("chars_per_token must be positive")
-        self._default = chars_per_token
-        self.image_tokens = image_tokens
-        self.alpha = alpha
-        self.min_ratio = min_ratio
-        self.max_ratio = max_ratio
-        self.min_chars = min_chars
-        self.max_models = max_models
-        self._ratios: dict[str | None, float] = {}
-        # Exact text counts from estimate.tokenizer_file; the ratios then serve nothing but
-        # the learning that goes on regardless.
-        self.counter = counter
-
-    @classmethod
-    def from_config(cls, cfg: EstimateConfig) -> Estimator:
-        counter = load_counter(cfg.tokenizer_file) if cfg.tokenizer_file else None
-        return cls(cfg.chars_per_token, cfg.image_tokens, counter=counter)
-
-    def configure(self, cfg: EstimateConfig) -> None:
-        """Apply a reloaded ``estimate`` section, keeping what was learned."""
-        self._default = cfg.chars_per_token
-        self.image_tokens = cfg.image_tokens
+    image_tokens: int
+    counter: TokenCounter | None
 
     def ratio(self, model: str | None) -> float:
-        """Characters per token for ``model``: learned, else the configured start."""
-        return self._ratios.get(model, self._default)
-
-    def learned(self) -> dict[str | None, float]:
-        return dict(self._ratios)
-
-    def observe_usage(
-        self,
-        model: str | None,
-        prompt_chars: int,
-        reported_prompt_tokens: int,
-        fixed_tokens: int = 0,
-    ) -> None:
-        """Fold one response's ``usage.prompt_tokens`` into ``model``'s ratio.
-
-        ``fixed_tokens`` is the part of the prompt not made of counted characters (template
-        framing, token ids); it is subtracted so that only text informs the ratio.
-        """
-        if prompt_chars < self.min_chars:
-            return
-        text_tokens = reported_prompt_tokens - fixed_tokens
-        if text_tokens <= 0:
-            return
-        sample = prompt_chars / text_tokens
-        if sample < self.min_ratio:
-            sample = self.min_ratio
-        elif sample > self.max_ratio:
-            sample = self.max_ratio
-        current = self._ratios.get(model)
-        if current is None:
-            if len(self._ratios) >= self.max_models:
-                return  # bounded memory; a client cannot grow this with made-up model names
-            current = self._default
-        self._ratios[model] = current + self.alpha * (sample - current)
-
-    def observe(self, profile: Profile, reported_prompt_tokens: int) -> None:
-        """``observe_usage`` for a profiled request; skips requests whose cost is mostly guessed."""
-        if profile.images or profile.audios or profile.videos:
-            return
-        self.observe_usage(
-            profile.model, profile.prompt_chars, reported_prompt_tokens, profile.fixed_tokens
-        )
-
-
-# ------------------------------------------------------------------------------ profiling
+        """Characters per token for ``model``."""
+        ...
 
 
 def _audio_tokens(part: dict[str, Any]) -> int:
@@ -371,7 +263,7 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
 
 
 def profile_request(
-    body: dict[str, Any], kind: str, estimator: Estimator, max_prefix_chars: int
+    body: dict[str, Any], kind: str, estimator: Rates, max_prefix_chars: int
 ) -> Profile:
     """Profile a validated chat (``kind="chat"``) or completions (``"completion"``) body.
 
@@ -449,192 +341,3 @@ def affinity_key(profile: Profile, prefix_chars: int) -> str | None:
     if not head:
         return None
     return head if len(head) <= prefix_chars else head[:prefix_chars]
-
-
-# ------------------------------------------------------------------------------ lanes
-
-
-class NoLaneMatched(LookupError):
-    """No lane's `when` held. A validated policy cannot get here: its last lane has no `when`."""
-
-
-@dataclass(frozen=True, slots=True)
-class LaneMatch:
-    lane: LaneConfig
-    index: int
-    reasons: list[str]  # why this lane, and why each earlier one was skipped; explain only
-
-
-_glob_cache: dict[str, Any] = {}
-
-
-def _glob_match(pattern: str, model: str) -> bool:
-    """Case-sensitive glob (model ids are), compiled once per pattern."""
-    matcher = _glob_cache.get(pattern)
-    if matcher is None:
-        if len(_glob_cache) > 1024:  # patterns come from the policy; this only bounds reloads
-            _glob_cache.clear()
-        matcher = _glob_cache[pattern] = re_compile(translate(pattern)).match
-    return matcher(model) is not None
-
-
-def _lane_holds(lane: LaneConfig, profile: Profile) -> bool:
-    """Whether ``lane.when`` holds: the hot path, stopping at the first failed condition."""
-    when = lane.when
-    if when is None:
-        return True
-    if when.stream is not None and profile.stream is not when.stream:
-        return False
-    est = profile.prompt_tokens_est
-    if when.prompt_tokens_min is not None and est < when.prompt_tokens_min:
-        return False
-    if when.prompt_tokens_max is not None and est > when.prompt_tokens_max:
-        return False
-    if when.output_tokens_max is not None:
-        out = output_tokens_for(profile, lane)
-        if out is None or out > when.output_tokens_max:
-            return False
-    if when.model is not None:
-        return profile.model is not None and _glob_match(when.model, profile.model)
-    return True
-
-
-def _lane_conditions(lane: LaneConfig, profile: Profile) -> list[tuple[bool, str]]:
-    """Every condition of ``lane.when`` as (held, reason): ``_lane_holds`` spelled out for
-    ``explain``. The two must agree; a test checks that they do."""
-    when = lane.when
-    if when is None:
-        return [(True, "no `when`: takes every request left")]
-    out: list[tuple[bool, str]] = []
-    if when.stream is not None:
-        got, want = _b(profile.stream), _b(when.stream)
-        if profile.stream is when.stream:
-            out.append((True, f"stream={got} matches"))
-        else:
-            out.append((False, f"stream={got}, lane wants stream={want}"))
-    est = profile.prompt_tokens_est
-    if when.prompt_tokens_min is not None:
-        lo = when.prompt_tokens_min
-        if est >= lo:
-            out.append((True, f"prompt_tokens_est {est} >= prompt_tokens_min {lo}"))
-        else:
-            out.append((False, f"prompt_tokens_est {est} < prompt_tokens_min {lo}"))
-    if when.prompt_tokens_max is not None:
-        hi = when.prompt_tokens_max
-        if est <= hi:
-            out.append((True, f"prompt_tokens_est {est} <= prompt_tokens_max {hi}"))
-        else:
-            out.append((False, f"prompt_tokens_est {est} > prompt_tokens_max {hi}"))
-    if when.output_tokens_max is not None:
-        hi = when.output_tokens_max
-        tokens = output_tokens_for(profile, lane)
-        if tokens is None:
-            out.append(
-                (
-                    False,
-                    "no max tokens in the request and no default_output_tokens: "
-                    "never matches output_tokens_max",
-                )
-            )
-        elif tokens <= hi:
-            out.append((True, f"output_tokens {tokens} <= output_tokens_max {hi}"))
-        else:
-            out.append((False, f"output_tokens {tokens} > output_tokens_max {hi}"))
-    if when.model is not None:
-        model = profile.model
-        if model is None:
-            out.append((False, f"request names no model; lane wants {when.model!r}"))
-        elif _glob_match(when.model, model):
-            out.append((True, f"model {model!r} matches {when.model!r}"))
-        else:
-            out.append((False, f"model {model!r} does not match {when.model!r}"))
-    return out
-
-
-def _b(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def match_lane(
-    profile: Profile, lanes: Sequence[LaneConfig], *, explain: bool = False
-) -> LaneMatch:
-    """The first lane whose ``when`` holds; the last lane (no ``when``) takes the rest.
-
-    With ``explain`` the match carries readable reasons: for each skipped lane every condition
-    that failed, for the chosen lane every condition that held.
-    """
-    if not explain:
-        for index, lane in enumerate(lanes):
-            if _lane_holds(lane, profile):
-                return LaneMatch(lane, index, [])
-        raise NoLaneMatched("no lane matches the request and no lane is a catch-all")
-    reasons: list[str] = []
-    for index, lane in enumerate(lanes):
-        conditions = _lane_conditions(lane, profile)
-        if all(held for held, _ in conditions):
-            reasons.extend(f"lanes[{index}] {lane.name!r} chosen: {why}" for _, why in conditions)
-            return LaneMatch(lane, index, reasons)
-        reasons.extend(
-            f"lanes[{index}] {lane.name!r} skipped: {why}" for held, why in conditions if not held
-        )
-    raise NoLaneMatched("no lane matches the request and no lane is a catch-all")
-
-
-# ------------------------------------------------------------------------------ explain
-
-
-def explain_request(
-    policy: Policy, body: dict[str, Any], kind: str, chars_per_token: float | None = None
-) -> dict[str, Any]:
-    """What ``tokenlane explain`` prints: the profile, the lane and why, the candidates.
-
-    No network: candidates are the replicas the policy lists for the lane's pool and its
-    ``spill_to`` pool, whatever their health. For a ``prefix_affinity`` pool they are listed
-    in the order the key tries them (their loads unknown here, so the bound is not applied).
-    """
-    cfg = policy.estimate
-    estimator = Estimator(
-        cfg.chars_per_token if chars_per_token is None else chars_per_token,
-        cfg.image_tokens,
-        counter=load_counter(cfg.tokenizer_file) if cfg.tokenizer_file else None,
-    )
-    profile = profile_request(body, kind, estimator, max_prefix_chars(policy))
-    match = match_lane(profile, policy.lanes, explain=True)
-    lane = match.lane
-    candidates: list[dict[str, Any]] = []
-    for role, pool_name in (("pool", lane.pool), ("spill_to", lane.spill_to)):
-        if pool_name is None:
-            continue
-        pool = policy.pools[pool_name]
-        replicas = list(pool.replicas)
-        key = affinity_key(profile, pool.prefix_chars)
-        if pool.balance == "prefix_affinity" and key is not None:
-            rank = {
-                name: i for i, name in enumerate(rendezvous_order(key, [r.label for r in replicas]))
-            }
-            replicas.sort(key=lambda r: rank[r.label])
-        for replica in replicas:
-            candidates.append(
-                {
-                    "pool": pool_name,
-                    "role": role,
-                    "balance": pool.balance,
-                    "name": replica.label,
-                    "url": replica.url,
-                    "max_in_flight": replica.max_in_flight,
-                }
-            )
-    return {
-        "profile": asdict(profile),
-        "chars_per_token": estimator.ratio(profile.model),
-        "tokenizer_file": cfg.tokenizer_file,
-        "lane": {
-            "index": match.index,
-            "name": lane.name,
-            "pool": lane.pool,
-            "spill_to": lane.spill_to,
-            "output_tokens": output_tokens_for(profile, lane),
-        },
-        "reasons": match.reasons,
-        "candidates": candidates,
-    }
