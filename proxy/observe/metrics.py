@@ -80,6 +80,7 @@ RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejec
 # recorded under NO_LANE (proxy/edge/auth.py).
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
 NO_LANE = "none"
+GATEWAY_STATUSES = ("429", "503")  # the gateway's own refusals (rejections, no replica)
 # Per-replica TTFT: coarser than LATENCY_BUCKETS on purpose. Each replica costs
 # len(REPLICA_TTFT_BUCKETS) + 3 series (the buckets, +Inf, _sum, _count): 15 per replica, so a
 # fleet of 100 replicas adds 1,500 series per gateway instance. Enough to tell a replica whose
@@ -109,6 +110,7 @@ def known_label_sets(
     a series born at 1 has no earlier sample, and Prometheus counts its first increment as
     nothing. ``replicas`` are (pool, name, url)."""
     sets: LabelSets = {
+        "requests": set(),
         "ejections": set(),
         "retries": set(),
         "rejections": {(NO_LANE, "unauthorized")},
@@ -116,7 +118,13 @@ def known_label_sets(
         "replica_ttft": set(),
         "replica_info": set(),
     }
+    replicas = list(replicas)
     for lane in lanes:
+        # Answers a lane can get: 200 from each replica of its pools, and the gateway's own
+        # refusals (no replica behind them). Other statuses are rarer and still start at 1.
+        pools = {lane.pool, lane.spill_to}
+        sets["requests"].update((lane.name, p, n, "200") for p, n, _ in replicas if p in pools)
+        sets["requests"].update((lane.name, "", "", s) for s in GATEWAY_STATUSES)
         sets["retries"].update((lane.name, r) for r in RETRY_REASONS)
         sets["rejections"].update((lane.name, r) for r in LANE_REJECTION_REASONS)
         if lane.spill_to:
@@ -367,6 +375,9 @@ class Metrics:
             "replica_ttft": {(pool, replica)},
             "replica_info": {
                 k for k in self._known.get("replica_info", set()) if k[:2] == (pool, replica)
+            },
+            "requests": {
+                k for k in self._known.get("requests", set()) if k[1:3] == (pool, replica)
             },
         }
         self._apply({}, gone)
