@@ -175,9 +175,9 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         up = await asyncio.to_thread(prom.targets_up)
         return len(up) == 4 and all(v == 1 for v in up.values())
 
-    await until(all_up, 30, "every target up")
+    await until(all_up, 120, "every target up")
     t0 = time.time()
-    await until(lambda: scraped_after(t0 + 2), 30, "scrapes before the incident")
+    await until(lambda: scraped_after(t0 + 2), 120, "scrapes before the incident")
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
 
@@ -249,7 +249,7 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         up = await _q(prom, "up")
         return all(s["value"][1] == "1" for s in up) and await scraped_after(t_end + 1)
 
-    await until(settled, 60, "a successful scrape of every target after the incident")
+    await until(settled, 120, "a successful scrape of every target after the incident")
     at = await asyncio.to_thread(prom.last_scrape)
     inc.window_s = math.ceil(at - started) + 2
     window = f"{inc.window_s}s"
