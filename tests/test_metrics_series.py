@@ -84,6 +84,12 @@ def test_known_label_sets_cover_every_lane_and_replica() -> None:
     ]
     assert ("long", "unauthorized") not in sets["rejections"]
     assert sets["spills"] == {("short", "i", "b")}
+    # 200 from each replica of the lane's pools, and the gateway's own refusals
+    assert sets["requests"] == {
+        ("short", "i", "a", "200"), ("short", "b", "bee", "200"), ("long", "b", "bee", "200"),
+        ("short", "", "", "429"), ("short", "", "", "503"),
+        ("long", "", "", "429"), ("long", "", "", "503"),
+    }  # fmt: skip
     assert sets["replica_info"] == {
         ("i", "a", "http://a:1", "a:1"),
         ("b", "bee", "http://b:1", "b:1"),

@@ -162,7 +162,7 @@ async def test_top_shows_a_stalled_replica_ejected_with_an_admin_token() -> None
                     "first_token_timeout_s": 60,
                 },
                 {"name": "long", "pool": "bulk"},
-            ],  # fmt: skip
+            ],
             health={"interval_s": 0.25, "stall_after_s": 1.0, "eject_base_s": 300},
         )
         policy["pools"]["interactive"]["replicas"][0]["name"] = "fast-0"

@@ -277,4 +277,3 @@ def run(
             except KeyboardInterrupt:
                 pass
     return 0
-
