@@ -46,7 +46,7 @@ from proxy.fleet.fleet import Fleet
 from proxy.fleet.health import HealthMonitor
 from proxy.observe.accesslog import logger as access_log
 from proxy.observe.accesslog import write_line
-from proxy.observe.metrics import Metrics
+from proxy.observe.metrics import Metrics, replica_ttft_s
 from proxy.observe.outcomes import Outcomes
 from proxy.relay.call import Call
 from proxy.relay.relay import DROP_UPSTREAM, Relay, make_client
@@ -130,7 +130,7 @@ class Gateway:
         self.shutting_down = False
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
-        self.metrics.set_lane_bounds(policy.lanes)
+        self.metrics.sync(policy.lanes, self.fleet.replicas())
         for pool in policy.pools:
             self.metrics.panic.labels(pool).set(0)
 
@@ -177,7 +177,7 @@ class Gateway:
         self.admission.set_lanes(declared.lanes)
         self.admission.kick()  # new replicas or looser limits may serve waiters now
         self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
-        self.metrics.set_lane_bounds(declared.lanes)
+        self.metrics.sync(declared.lanes, self.fleet.replicas())
         for pool in declared.pools:
             self.metrics.series(self.metrics.panic, pool)
 
@@ -265,12 +265,16 @@ class Gateway:
             m.series(m.duration, lane, pool).observe(duration)
             if call.ttft_s is not None:
                 m.series(m.ttft, lane, pool).observe(call.ttft_s)
+            if call.replica is not None:
+                m.observe_replica_ttft(
+                    pool, replica, replica_ttft_s(call.ttft_s, call.queue_wait_s, call.retries)
+                )
         usage = call.usage
         reported = usage.get("prompt_tokens") if usage else None
         profile = call.profile
         if profile is not None and call.pool:
-            m.series(m.prompt_tokens_estimated, pool).inc(profile.prompt_tokens_est)
             if isinstance(reported, int) and reported > 0:
+                m.series(m.prompt_tokens_estimated, pool).inc(profile.prompt_tokens_est)
                 m.series(m.prompt_tokens_reported, pool).inc(reported)
                 self.estimator.observe(profile, reported)
         write_line(call, duration, ts)  # the one line per request

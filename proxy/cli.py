@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,6 +139,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.policy, port=args.port)
 
 
+def _top(args: argparse.Namespace) -> int:
+    from proxy.observe.top import run
+
+    return run(args.url, args.admin_token or os.environ.get("TOKENLANE_ADMIN_TOKEN"),
+               interval_s=args.interval, iterations=args.iterations)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenlane", description="A latency-aware gateway in front of vLLM replicas."
@@ -178,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8080)")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("top", help="a live view of a running gateway")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway")
+    p.add_argument("--admin-token", default=None, help="default: $TOKENLANE_ADMIN_TOKEN")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--iterations", type=int, default=None, help="stop after N refreshes")
+    p.set_defaults(func=_top)
 
     # `sim` and `loadtest` take their own arguments; they are dispatched before parsing.
     sub.add_parser("sim", help="one simulated vLLM replica", add_help=False)

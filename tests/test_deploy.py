@@ -190,7 +190,9 @@ def variable_queries(dashboard: dict[str, Any]) -> list[str]:
 
 
 _GRAFANA_DURATIONS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
-_GRAFANA_VAR = re.compile(r"\$\{?(\w+)\}?")
+# A name, not a digit: `$1` in label_replace is a regex group reference, and Grafana leaves a
+# `$name` that is no variable of the dashboard as it is.
+_GRAFANA_VAR = re.compile(r"\$\{?([A-Za-z_]\w*)\}?")
 
 
 def as_promql(expr: str) -> str:
@@ -464,6 +466,17 @@ def test_prometheus_scrapes_the_gateway_and_every_policy_replica() -> None:
     assert all(r.name is None for p in compose_policy().pools.values() for r in p.replicas)
 
 
+def test_kubernetes_scrape_sketch_passes_promtool_and_keeps_vllm_instances() -> None:
+    run([promtool(), "check", "config", "kubernetes.yml"], cwd=PROMETHEUS_DIR)
+    config = load_yaml(PROMETHEUS_DIR / "kubernetes.yml")
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    # The dashboards join vLLM's `instance` with tokenlane_replica_info{address}: rewriting
+    # `instance` would break the join.
+    for job in config["scrape_configs"]:
+        assert all(r.get("target_label") != "instance" for r in job.get("relabel_configs", []))
+    assert {"tokenlane", "vllm"} <= set(jobs)
+
+
 # ---------------------------------------------------------------------------- Grafana
 
 
@@ -565,6 +578,67 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
         yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]})
     )
     run([promtool(), "check", "rules", "dashboards.yml"], cwd=tmp_path)
+
+
+def test_every_vllm_panel_joins_to_the_gateway_replica_names() -> None:
+    # vLLM's series are labelled by scrape address; the gateway's by replica name. A panel
+    # that mixes them without the join shows two names per replica, or nothing when one
+    # replica is selected.
+    for path in DASHBOARDS:
+        for expr in dashboard_exprs(load_dashboard(path)):
+            if any(n.startswith("vllm:") for n in promql_metric_names(expr)):
+                assert "tokenlane_replica_info" in expr and "on (instance)" in expr, expr
+
+
+def test_vllm_panels_name_replicas_as_the_gateway_does(tmp_path: Path) -> None:
+    """The join evaluated by promtool: vLLM labelled by address, two gateways exporting the
+    same replica info; the panel shows the gateway's name, once."""
+    dashboard = load_dashboard(GRAFANA_DIR / "dashboards" / "tokenlane-replicas.json")
+    (panel,) = [p for p in panels(dashboard) if p["title"] == "vLLM running / waiting"]
+    series = [
+        {
+            "series": 'vllm:num_requests_running{job="vllm",instance="127.0.0.1:8101",'
+            'pool="interactive",replica="127.0.0.1:8101",engine="0"}',
+            "values": "3x4",
+        },
+        {
+            "series": 'vllm:num_requests_running{job="vllm",instance="127.0.0.1:8102",'
+            'pool="bulk",replica="127.0.0.1:8102",engine="0"}',
+            "values": "1x4",
+        },
+    ] + [
+        {
+            "series": f'tokenlane_replica_info{{job="tokenlane",instance="{gw}",pool="{pool}",'
+            f'replica="{name}",url="http://{addr}",address="{addr}"}}',
+            "values": "1x4",
+        }
+        for gw in ("gw-1:8080", "gw-2:8080")
+        for pool, name, addr in (
+            ("interactive", "fast-0", "127.0.0.1:8101"),
+            ("bulk", "bulk-0", "127.0.0.1:8102"),
+        )
+    ]
+    test_file = {
+        "rule_files": [],
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": as_promql(panel["targets"][0]["expr"]),
+                        "eval_time": "30s",
+                        "exp_samples": [
+                            {"labels": '{replica="fast-0"}', "value": 3},
+                            {"labels": '{replica="bulk-0"}', "value": 1},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "join_test.yml").write_text(yaml.safe_dump(test_file))
+    run([promtool(), "test", "rules", "join_test.yml"], cwd=tmp_path)
 
 
 STATE_CODES = {"healthy": 1, "probing": 2, "draining": 3, "ejected": 4}

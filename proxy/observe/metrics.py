@@ -7,8 +7,9 @@ test process and ``/metrics`` shows only this gateway's series.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -75,6 +76,81 @@ EJECTION_REASONS = (
     "operator",
 )
 RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejected")
+# Rejections recorded against a lane; `unauthorized` comes before any lane is known and is
+# recorded under NO_LANE (proxy/edge/auth.py).
+LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
+NO_LANE = "none"
+GATEWAY_STATUSES = ("429", "503")  # the gateway's own refusals (rejections, no replica)
+# Per-replica TTFT: coarser than LATENCY_BUCKETS on purpose. Each replica costs
+# len(REPLICA_TTFT_BUCKETS) + 3 series (the buckets, +Inf, _sum, _count): 15 per replica, so a
+# fleet of 100 replicas adds 1,500 series per gateway instance. Enough to tell a replica whose
+# p50 is 80 ms from one at 2 s; the per-lane histogram keeps the fine resolution.
+REPLICA_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+LabelSets = dict[str, set[tuple[str, ...]]]
+
+
+def replica_address(url: str) -> str:
+    """``host:port`` of a replica URL: what Prometheus calls the vLLM target's ``instance``
+    when it scrapes that replica at the address the gateway uses, so the two sides join."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def known_label_sets(
+    lanes: Iterable[LaneConfig], replicas: Iterable[tuple[str, str, str]]
+) -> LabelSets:
+    """Every label set the policy makes possible for the counters, by metric attribute.
+
+    Created at 0 when the policy loads, so ``rate()`` and ``increase()`` see the first event:
+    a series born at 1 has no earlier sample, and Prometheus counts its first increment as
+    nothing. ``replicas`` are (pool, name, url)."""
+    sets: LabelSets = {
+        "requests": set(),
+        "ejections": set(),
+        "retries": set(),
+        "rejections": {(NO_LANE, "unauthorized")},
+        "spills": set(),
+        "replica_ttft": set(),
+        "replica_info": set(),
+    }
+    replicas = list(replicas)
+    for lane in lanes:
+        # Answers a lane can get: 200 from each replica of its pools, and the gateway's own
+        # refusals (no replica behind them). Other statuses are rarer and still start at 1.
+        pools = {lane.pool, lane.spill_to}
+        sets["requests"].update((lane.name, p, n, "200") for p, n, _ in replicas if p in pools)
+        sets["requests"].update((lane.name, "", "", s) for s in GATEWAY_STATUSES)
+        sets["retries"].update((lane.name, r) for r in RETRY_REASONS)
+        sets["rejections"].update((lane.name, r) for r in LANE_REJECTION_REASONS)
+        if lane.spill_to:
+            sets["spills"].add((lane.name, lane.pool, lane.spill_to))
+    for pool, name, url in replicas:
+        sets["ejections"].update((pool, name, r) for r in EJECTION_REASONS)
+        sets["replica_ttft"].add((pool, name))
+        sets["replica_info"].add((pool, name, url, replica_address(url)))
+    return sets
+
+
+def diff_label_sets(old: LabelSets, new: LabelSets) -> tuple[LabelSets, LabelSets]:
+    """(to create, to remove): label sets that stay are left alone, so a reload keeps counts."""
+    keys = set(old) | set(new)
+    add = {k: new.get(k, set()) - old.get(k, set()) for k in keys}
+    gone = {k: old.get(k, set()) - new.get(k, set()) for k in keys}
+    return add, gone
+
+
+def replica_ttft_s(ttft_s: float | None, queue_wait_s: float, retries: int) -> float | None:
+    """The serving replica's share of a request's TTFT: dispatch to first chunk. None for a
+    request with no first chunk or one that was retried (its time is spread over several
+    replicas; the failed ones show in ejections and retries instead)."""
+    if ttft_s is None or retries:
+        return None
+    return max(0.0, ttft_s - queue_wait_s)
 
 
 class Metrics:
@@ -170,9 +246,11 @@ class Metrics:
             ["pool"],
             registry=r,
         )
+        # Both prompt-token counters count the same requests (those whose usage reported the
+        # prompt tokens), so their ratio compares like with like.
         self.prompt_tokens_estimated = Counter(
             "tokenlane_prompt_tokens_estimated",
-            "Prompt tokens as the gateway estimated them.",
+            "Prompt tokens as the gateway estimated them, for requests whose usage reported them.",
             ["pool"],
             registry=r,
         )
@@ -189,6 +267,22 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
+        self.replica_ttft = Histogram(
+            "tokenlane_replica_ttft_seconds",
+            "Dispatch to first content chunk, by the replica that served it (requests not "
+            "retried). 15 series per replica.",
+            ["pool", "replica"],
+            buckets=REPLICA_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.replica_info = Gauge(
+            "tokenlane_replica_info",
+            "1 per replica of the policy: its name, pool, URL and the host:port Prometheus "
+            "scrapes it at (join vLLM's series on instance = address).",
+            ["pool", "replica", "url", "address"],
+            registry=r,
+        )
+        self._known: LabelSets = {}
         self.shared_state_up = Gauge(
             "tokenlane_shared_state_up",
             "1 while shared state (Redis) is reachable or not configured; 0 on local fallback.",
@@ -237,14 +331,62 @@ class Metrics:
             if lane.ttft_slo_s is not None:
                 self.lane_ttft_slo.labels(lane.name).set(lane.ttft_slo_s)
 
+    def sync(self, lanes: Iterable[LaneConfig], replicas: Iterable[Any]) -> None:
+        """Make the series match the policy just loaded: every known label set exists (at 0
+        when new), the lanes' bounds are current, and label sets of lanes and replicas that
+        left are removed. ``replicas`` are the fleet's (``pool``, ``name``, ``url``)."""
+        lanes = list(lanes)
+        self.set_lane_bounds(lanes)
+        new = known_label_sets(lanes, [(r.pool, r.name, r.url) for r in replicas])
+        add, gone = diff_label_sets(self._known, new)
+        self._apply(add, gone)
+        self._known = new
+
+    def _apply(self, add: Mapping[str, set[tuple[str, ...]]], gone: LabelSets) -> None:
+        for attr, label_sets in gone.items():
+            metric = getattr(self, attr)
+            for labels in label_sets:
+                self._remove(metric, labels)
+        for attr, label_sets in add.items():
+            metric = getattr(self, attr)
+            for labels in label_sets:
+                child = self.series(metric, *labels)
+                if attr == "replica_info":
+                    child.set(1)
+
+    def _remove(self, metric: Any, labels: tuple[str, ...]) -> None:
+        self._series.pop((metric, labels), None)
+        try:
+            metric.remove(*labels)
+        except KeyError:  # never created
+            pass
+
+    def observe_replica_ttft(self, pool: str, replica: str, seconds: float | None) -> None:
+        if seconds is not None:
+            self.series(self.replica_ttft, pool, replica).observe(seconds)
+
     def set_replica_state(self, pool: str, replica: str, state: str) -> None:
         for s in REPLICA_STATES:
             self.replica_state.labels(pool, replica, s).set(1 if s == state else 0)
 
     def forget_replica(self, pool: str, replica: str) -> None:
         """Drop a replica's gauges once it left the fleet (or was renamed): a gauge left behind
-        would show a replica that no longer exists as healthy (or ejected) forever. Counters
-        stay: they are history, and rate() over them ends by itself."""
+        would show a replica that no longer exists as healthy (or ejected) forever. Its
+        ejection counters, TTFT and info series go too: they were created for it at 0 and
+        would otherwise pile up with every renamed or rediscovered replica."""
         for s in REPLICA_STATES:
-            self.replica_state.remove(pool, replica, s)
-        self.replica_in_flight.remove(pool, replica)
+            self._remove(self.replica_state, (pool, replica, s))
+        self._remove(self.replica_in_flight, (pool, replica))
+        gone: LabelSets = {
+            "ejections": {(pool, replica, r) for r in EJECTION_REASONS},
+            "replica_ttft": {(pool, replica)},
+            "replica_info": {
+                k for k in self._known.get("replica_info", set()) if k[:2] == (pool, replica)
+            },
+            "requests": {
+                k for k in self._known.get("requests", set()) if k[1:3] == (pool, replica)
+            },
+        }
+        self._apply({}, gone)
+        for attr, label_sets in gone.items():
+            self._known.get(attr, set()).difference_update(label_sets)
