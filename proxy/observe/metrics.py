@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.config import LaneConfig
+from proxy.errors import RetryReason
 
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
@@ -74,7 +75,7 @@ EJECTION_REASONS = (
     "canary_failed",
     "operator",
 )
-RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejected")
+RETRY_REASONS = tuple(RetryReason)
 
 
 class Metrics:
