@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import httpx
 import pytest
 
@@ -18,6 +19,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
+from proxy.relay import upstream
 from proxy.relay.upstream import UpstreamClient, make_client, timeout_extension
 
 from .gateway import policy_for
@@ -150,3 +152,65 @@ async def test_the_client_raises_the_seams_errors_too(client: UpstreamClient) ->
     # The health loop goes through AsyncClient.get: the same mapping applies.
     with pytest.raises(UpstreamUnreached):
         await client.get(f"http://127.0.0.1:{free_port()}/health", timeout=2)
+
+
+def _conn_key() -> object:
+    # ClientConnectorError wants a connection key and an OSError.
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ssl=False, host="127.0.0.1", port=1)
+
+
+SEND_TABLE = [
+    (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ConnectionTimeoutError("connect"), UpstreamUnreached),
+    (aiohttp.ClientConnectorError(_conn_key(), OSError(111, "refused")), UpstreamUnreached),  # type: ignore[arg-type]
+    (aiohttp.ServerDisconnectedError(), UpstreamClosed),
+    (aiohttp.ClientOSError(104, "reset"), UpstreamClosed),
+    (aiohttp.ClientPayloadError("cut"), UpstreamNotHttp),
+    (aiohttp.ClientResponseError(None, (), message="bad status line"), UpstreamNotHttp),  # type: ignore[arg-type]
+]
+READ_TABLE = [
+    (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ServerTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ServerDisconnectedError(), UpstreamClosed),
+    (aiohttp.ClientPayloadError("cut"), UpstreamClosed),
+    (aiohttp.ClientOSError(104, "reset"), UpstreamClosed),
+]
+
+
+@pytest.mark.parametrize(("exc", "want"), SEND_TABLE, ids=lambda v: type(v).__name__)
+def test_the_send_mapping(exc: BaseException, want: type[UpstreamError]) -> None:
+    with pytest.raises(want) as info, upstream._mapped(upstream._SENDING):
+        raise exc
+    assert info.value.__cause__ is exc
+    assert type(info.value) is want
+
+
+@pytest.mark.parametrize(("exc", "want"), READ_TABLE, ids=lambda v: type(v).__name__)
+def test_the_read_mapping(exc: BaseException, want: type[UpstreamError]) -> None:
+    with pytest.raises(want), upstream._mapped(upstream._READING):
+        raise exc
+
+
+def test_an_httpx_error_is_mapped_by_its_aiohttp_cause() -> None:
+    with pytest.raises(UpstreamClosed), upstream._mapped(upstream._READING):
+        try:
+            raise aiohttp.ServerDisconnectedError()
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.ConnectTimeout("mapped by httpx-aiohttp") from exc
+
+
+def test_anything_else_passes_unchanged() -> None:
+    with pytest.raises(KeyError), upstream._mapped(upstream._SENDING):
+        raise KeyError("a bug")
+
+
+def test_the_root_cause_is_the_innermost_text() -> None:
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as inner:
+            raise aiohttp.ClientOSError(111, "Cannot connect") from inner
+    except aiohttp.ClientOSError as exc:
+        assert upstream.root_cause(exc) == "[Errno 111] Connection refused"

@@ -85,8 +85,11 @@ def _mapped(table: tuple[tuple[type[BaseException], type[UpstreamError]], ...]) 
     except UpstreamError:
         raise
     except (aiohttp.ClientError, httpx.HTTPError) as exc:
+        # httpx-aiohttp's own mapping (in the parent's aclose) keeps aiohttp's error as the
+        # cause: that cause is what says how far the exchange got.
+        below = exc.__cause__ if isinstance(exc.__cause__, aiohttp.ClientError) else exc
         for source, target in table:
-            if isinstance(exc, source):
+            if isinstance(below, source):
                 raise target(root_cause(exc)) from exc
         # httpx's own errors (a URL it refuses, a body it cannot decode): no HTTP exchange
         # worth the name happened.
