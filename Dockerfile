@@ -7,11 +7,12 @@ FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY proxy ./proxy
 COPY loadtest ./loadtest
+# Pinned to the versions the suite passed with (constraints.txt), as `make` and CI install.
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir '.[tokenizer]'
+    && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt '.[tokenizer]'
 
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \

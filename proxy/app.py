@@ -122,7 +122,13 @@ class Gateway:
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy)
         self.health_client = make_client(policy)
-        self.relay = Relay(self, self.client)
+        self.relay = Relay(
+            self.client,
+            admission=self.admission,
+            fleet=self.fleet,
+            metrics=self.metrics,
+            policy=lambda: self.policy,
+        )
         self.health = HealthMonitor(
             self.fleet, lambda: self.policy, self.health_client, self.metrics
         )

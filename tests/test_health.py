@@ -20,7 +20,7 @@ from proxy.config import build_policy
 from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
 from proxy.fleet.health import HealthMonitor
 from proxy.observe.metrics import Metrics
-from proxy.relay.relay import make_client
+from proxy.relay.upstream import make_client
 
 from .waiting import wait_until
 

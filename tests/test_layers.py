@@ -172,7 +172,5 @@ def test_the_checker_sees_a_circle() -> None:
     """The checker itself: a planted circle, including one under TYPE_CHECKING, is found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from proxy.x import Y\n"
-    tree_imports = [
-        n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)
-    ]
+    tree_imports = [n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
     assert "proxy.x" in tree_imports

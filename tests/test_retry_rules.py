@@ -13,7 +13,7 @@ import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
 from proxy.config import PolicyError, build_policy, policy_from_text, restart_changes
-from proxy.relay import relay
+from proxy.relay import upstream
 
 from .gateway import policy_for, running_gateway
 
@@ -186,9 +186,9 @@ async def test_an_idle_pooled_connection_is_not_reused_past_the_keepalive_expiry
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # vLLM's uvicorn closes idle connections after 5 s; the gateway must give them up first.
-    assert relay.KEEPALIVE_EXPIRY_S < 5.0
-    monkeypatch.setattr(relay, "KEEPALIVE_EXPIRY_S", 0.2)
-    client = relay.make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
+    assert upstream.KEEPALIVE_EXPIRY_S < 5.0
+    monkeypatch.setattr(upstream, "KEEPALIVE_EXPIRY_S", 0.2)
+    client = upstream.make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
     try:
         async with running(tokens=2) as up:
 

@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.config import HealthConfig, Policy, PoolConfig, ReplicaConfig
+from proxy.errors import FailureKind
 from proxy.fleet import detect
 from proxy.fleet.detect import Progress
 from proxy.fleet.vllm import EngineSample
@@ -67,10 +68,10 @@ class EjectReason(StrEnum):
 
 
 # Failure kinds the request path reports, by the counter they feed.
-HARD_FAILURES = frozenset({"connect", "reset", "upstream_5xx"})
+HARD_FAILURES = frozenset({FailureKind.CONNECT, FailureKind.RESET, FailureKind.UPSTREAM_5XX})
 SILENT_FAILURES = {
-    "first_token_timeout": EjectReason.FIRST_TOKEN_TIMEOUT,
-    "stream_idle": EjectReason.SILENT_STREAM,
+    FailureKind.FIRST_TOKEN_TIMEOUT: EjectReason.FIRST_TOKEN_TIMEOUT,
+    FailureKind.STREAM_IDLE: EjectReason.SILENT_STREAM,
 }
 # Ejections that a usable answer disproves (a held-back one is dropped on success).
 TRAFFIC_REASONS = frozenset(
@@ -361,9 +362,8 @@ class Fleet:
         replica.in_flight += 1
         replica.requests_total += 1
 
-    def attempt_finished(self, replica: Replica, failure: str | None) -> None:
-        """``failure`` is None for a usable answer, else a kind: ``connect``, ``reset``,
-        ``upstream_5xx``, ``first_token_timeout``, ``stream_idle``."""
+    def attempt_finished(self, replica: Replica, failure: FailureKind | None) -> None:
+        """``failure`` is None for a usable answer, else what went wrong (``FailureKind``)."""
         if replica.in_flight > 0:
             replica.in_flight -= 1
         if self.leaving and replica.in_flight == 0 and replica in self.leaving:

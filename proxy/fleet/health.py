@@ -16,10 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
 import httpx
 
 from proxy.config import Policy
+from proxy.errors import UpstreamError
 from proxy.fleet.fleet import Fleet, Replica, ReplicaState
 from proxy.fleet.vllm import (
     CANARY_PATH,
@@ -35,10 +35,9 @@ from proxy.observe.metrics import Metrics
 log = logging.getLogger("tokenlane.health")
 
 MODELS_EVERY = 10  # /v1/models changes rarely: poll it every 10th round, and until known
-# What a probe may raise when a replica is down, slow or talks nonsense; anything else is a bug.
-# The aiohttp transport maps only connection errors to httpx's: a response that is not HTTP
-# (a bad status line, broken headers) surfaces as aiohttp's own ClientResponseError.
-PROBE_ERRORS = (httpx.HTTPError, aiohttp.ClientError, TimeoutError, OSError, ValueError)
+# What a probe may raise when a replica is down, slow or talks nonsense (the upstream client
+# raises only UpstreamError; a body that is no JSON, ValueError); anything else is a bug.
+PROBE_ERRORS = (UpstreamError, TimeoutError, OSError, ValueError)
 # Marks canaries in the replica's access log, so nobody mistakes them for client traffic.
 CANARY_HEADERS = {"x-tokenlane-canary": "1"}
 # prometheus_client answers OpenMetrics (with escaped names) only when asked; ask for text.
@@ -54,6 +53,8 @@ class HealthMonitor:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``client`` is the upstream seam's (``relay.upstream.make_client``): it raises only
+        ``UpstreamError`` for what a replica's answer met."""
         self.fleet = fleet
         self.policy = policy
         self.client = client

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.config import LaneConfig, package_version
+from proxy.errors import RetryReason
 
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
@@ -75,7 +76,7 @@ EJECTION_REASONS = (
     "canary_failed",
     "operator",
 )
-RETRY_REASONS = ("connect", "upstream_5xx", "first_token_timeout", "replica_ejected")
+RETRY_REASONS = tuple(RetryReason)
 # Rejections recorded against a lane; `unauthorized` comes before any lane is known and is
 # recorded under NO_LANE (proxy/edge/auth.py).
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from proxy.fleet.fleet import Replica
+from proxy.relay.retry import Phase
 
 if TYPE_CHECKING:
     from proxy.config import LaneConfig
@@ -58,12 +59,13 @@ class Call:
 
 class Attempt:
     """One upstream attempt as the fleet sees it (``fleet.StreamWatch``): a health verdict on
-    its replica can end it through ``interrupt``."""
+    its replica can end it through ``interrupt``. ``phase`` says how far it got, which is what
+    the retry rules (``relay.retry.judge``) turn on."""
 
     __slots__ = (
-        "content_sent",
         "interrupted",
         "last_progress",
+        "phase",
         "replica",
         "task",
     )
@@ -72,8 +74,13 @@ class Attempt:
         self.replica = replica
         self.task = task
         self.last_progress = time.monotonic()
-        self.content_sent = False
+        self.phase = Phase.SENDING
         self.interrupted: str | None = None
+
+    @property
+    def content_sent(self) -> bool:
+        """Content reached the client (the fleet's ``StreamWatch`` reads this)."""
+        return self.phase is Phase.CONTENT
 
     def interrupt(self, reason: str) -> None:
         if self.interrupted is None and self.task is not None:

@@ -1,6 +1,7 @@
 """The upstream side of a request: attempts, retries, and the stream relay.
 
-One ``httpx.AsyncClient`` over the aiohttp transport carries every request. Each client request
+One upstream client (``proxy.relay.upstream``, the only module that knows what is under it)
+carries every request. Each client request
 is relayed by its own task (the ASGI handler's), chunk by chunk: one upstream read, one
 downstream write, so a slow client slows only its own stream and pushes back to its replica.
 
@@ -20,22 +21,42 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import httpx
 
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
-from proxy.errors import Rejected, UpstreamBusy, UpstreamFailed
-from proxy.fleet.fleet import Replica
+from proxy.errors import (
+    AttemptFault,
+    FailureKind,
+    Fault,
+    Rejected,
+    RetryableFailure,
+    UpstreamBusy,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamReadTimeout,
+)
+from proxy.fleet.fleet import Fleet, Replica
+from proxy.observe.metrics import Metrics
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
-from proxy.relay.transport import RawResponseStream, RelayTransport
+from proxy.relay.retry import (
+    Action,
+    Phase,
+    RetryDecision,
+    Verdict,
+    budget_left,
+    decide_retry,
+    judge,
+)
+from proxy.relay.upstream import UpstreamClient, at_eof, make_client, timeout_extension
 from proxy.routing import balance
+from proxy.routing.admission import Admission
 from proxy.routing.profile import affinity_key
 
 if TYPE_CHECKING:
     from starlette.types import Send
 
-    from proxy.app import Gateway
     from proxy.config import LaneConfig, Policy
 
 now = time.perf_counter
@@ -55,95 +76,32 @@ DROP_UPSTREAM = HOP_BY_HOP | {
 _DROP_DOWNSTREAM = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 _DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
 
-CONNECT_TIMEOUT_S = 3.0
-POOL_TIMEOUT_S = 5.0
-# An idle pooled connection is dropped (on its next acquire) after this long. vLLM's uvicorn
-# closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a POST sent on
-# one it is closing meets a reset after the request was sent, which is not retried by default
-# (RELIABILITY 6). Staying below 5 s keeps that race off the common path.
-KEEPALIVE_EXPIRY_S = 4.0
-
-
-class RetryableFailure(Exception):
-    """An attempt failed before anything reached the client; another replica may take it,
-    unless ``retry`` is False (the request then fails with this failure)."""
-
-    def __init__(
-        self,
-        reason: str,
-        failure: str | None,
-        detail: str,
-        *,
-        overloaded: bool = False,
-        retry: bool = True,
-    ) -> None:
-        super().__init__(detail)
-        self.reason = reason  # tokenlane_retries_total reason
-        self.failure = failure  # what the fleet is told (None: not the replica's fault)
-        self.detail = detail
-        self.overloaded = overloaded  # the replica said 429 / 503: busy, not broken
-        self.retry = retry
-
-
-def make_client(policy: Policy) -> UpstreamClient:
-    """The one upstream client. The aiohttp transport ignores ``AsyncClient(limits=...)`` and
-    defaults to 100 connections, so it gets the limits itself, sized to what the policy can
-    ever have in flight."""
-    total = sum(r.max_in_flight for p in policy.pools.values() for r in p.replicas)
-    limits = httpx.Limits(
-        max_connections=max(256, total + 64),
-        max_keepalive_connections=max(256, total + 64),
-        keepalive_expiry=KEEPALIVE_EXPIRY_S,
-    )
-    timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=POOL_TIMEOUT_S)
-    return UpstreamClient(
-        transport=RelayTransport(limits=limits, client=_session_factory(limits)),
-        timeout=timeout,
-        limits=limits,
-        # A proxy forwards what it is given: no redirects followed, no headers of its own.
-        follow_redirects=False,
-        headers={},
-    )
-
-
-def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession]:
-    """The aiohttp session under the transport, made on first use (inside the event loop).
-
-    A proxy keeps no cookies: aiohttp's default jar would store a replica's ``Set-Cookie`` and
-    replay it on other clients' requests (and costs a lookup per request), and adds no headers
-    of its own. The connector gets the same explicit limits."""
-
-    def make() -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=limits.max_connections or 0,
-            keepalive_timeout=limits.keepalive_expiry,
-        )
-        return aiohttp.ClientSession(
-            connector=connector,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            trust_env=False,
-            # What the client sent goes upstream, nothing of aiohttp's own: its default
-            # "Accept-Encoding: gzip, deflate" would invite a compressed answer that the relay
-            # passes on, raw, to a client that never asked for one.
-            # (and its "Content-Type: application/octet-stream" on a body sent without one,
-            # which vLLM, reading such a body as JSON, would refuse).
-            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
-        )
-
-    return make
-
-
-class UpstreamClient(httpx.AsyncClient):
-    """An ``AsyncClient`` that also names its transport, for the relay's direct sends."""
-
-    def __init__(self, *, transport: httpx.AsyncBaseTransport, **kw: Any) -> None:
-        super().__init__(transport=transport, **kw)
-        self.transport = transport
+# Statuses the retry rules look at before anything is relayed.
+_STATUS_FAULTS = {
+    429: Fault.BUSY_429,
+    503: Fault.BUSY_503,
+    500: Fault.STATUS_5XX,
+    502: Fault.STATUS_5XX,
+    504: Fault.STATUS_5XX,
+}
 
 
 class Relay:
-    def __init__(self, gateway: Gateway, client: UpstreamClient) -> None:
-        self.gw = gateway
+    def __init__(
+        self,
+        client: UpstreamClient,
+        *,
+        admission: Admission,
+        fleet: Fleet,
+        metrics: Metrics,
+        policy: Callable[[], Policy],
+    ) -> None:
+        """``policy`` is a getter: a reload swaps the policy, and each request reads the one
+        current when it starts."""
+        self.admission = admission
+        self.fleet = fleet
+        self.metrics = metrics
+        self.policy = policy
         # Requests go to the client's transport directly: AsyncClient.send() adds redirects,
         # auth, cookie extraction and event hooks, none of which a proxy uses, at ~15 % of the
         # gateway's CPU per request.
@@ -160,8 +118,8 @@ class Relay:
         """A replica of the lane's pool, else of its ``spill_to`` pool, that can take the
         request now: healthy, serving the model, below its limit, not tried yet."""
         lane = call.lane
-        fleet = self.gw.fleet
-        has_room = self.gw.admission.has_room  # counts slots handed to queued requests
+        fleet = self.fleet
+        has_room = self.admission.has_room  # counts slots handed to queued requests
         for pool_name in (lane.pool, lane.spill_to):
             # A request keeps the lane it started with; a reload may have removed its pool.
             pool = fleet.pools.get(pool_name) if pool_name is not None else None
@@ -186,42 +144,37 @@ class Relay:
                 pool.rr_counter += 1
             if choice is not None:
                 if pool_name != lane.pool:
-                    self.gw.metrics.spills.labels(lane.name, lane.pool, pool_name).inc()
+                    self.metrics.spills.labels(lane.name, lane.pool, pool_name).inc()
                 return choice
         return None
 
     def any_serving(self, call: Call) -> bool:
-        fleet = self.gw.fleet
+        fleet = self.fleet
         lane = call.lane
         pools = fleet.pools
         return any(
             pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p in pools
         )
 
-    def _retry_allowed(self) -> bool:
-        budget = max(3.0, self.gw.policy.retry.budget_ratio * self.requests_in_flight)
-        return self.retries_in_flight < budget
-
     # -- the request -----------------------------------------------------------------------
 
     async def run(self, call: Call, send: Send) -> None:
         """Relay ``call`` to a replica, retrying before the first byte; raises ``Rejected`` or
         ``UpstreamFailed`` when nothing could be sent."""
-        policy = self.gw.policy
+        policy = self.policy()
         queued_at = now()
-        replica = await self.gw.admission.admit(
+        replica = await self.admission.admit(
             call.lane, lambda: self.try_pick(call), lambda: self.any_serving(call)
         )
         # No await between here and ``fleet.attempt_started`` in ``_attempt``: admission's
         # reservation of this slot turns into the replica's in-flight count in one step.
         call.queue_wait_s = now() - queued_at
         self.requests_in_flight += 1
-        # One deadline for all attempts (DESIGN 5), from the first one's start: the queue wait
-        # has its own bound (queue_timeout_s).
+        # One deadline for all attempts, from the first one's start: the queue wait has its
+        # own bound (queue_timeout_s).
         loop_time = asyncio.get_running_loop().time
         deadline = loop_time() + policy.retry.deadline_s
         try:
-            last: RetryableFailure | None = None
             all_overloaded = True
             attempts = 0
             while True:
@@ -239,24 +192,26 @@ class Relay:
                 finally:
                     if is_retry:
                         self.retries_in_flight -= 1
-                # Rescues of an ejected replica's requests are outside the budget: they are
-                # bounded by what that replica held, and the budget is there to stop retry
-                # storms against replicas that fail, not to fail the requests of one that died.
-                rescue = last.reason == "replica_ejected"
-                if (
-                    not last.retry
-                    or attempts >= policy.retry.max_attempts
-                    or loop_time() >= deadline
-                    or not (rescue or self._retry_allowed())
-                ):
+                decision = decide_retry(
+                    last.retry,
+                    last.reason,
+                    attempts=attempts,
+                    max_attempts=policy.retry.max_attempts,
+                    deadline_left_s=deadline - loop_time(),
+                    budget_left=budget_left(
+                        self.retries_in_flight,
+                        self.requests_in_flight,
+                        self.policy().retry.budget_ratio,
+                    ),
+                )
+                if decision is not RetryDecision.RETRY:
                     break
                 nxt = self.try_pick(call)
                 if nxt is None:
                     break
                 replica = nxt
                 call.retries += 1
-                self.gw.metrics.retries.labels(call.lane.name, last.reason).inc()
-            assert last is not None
+                self.metrics.retries.labels(call.lane.name, last.reason).inc()
             call.error = last.detail
             if all_overloaded:
                 # Every replica tried said it was busy: that is a 503 to come back later, not
@@ -270,7 +225,7 @@ class Relay:
             )
         finally:
             self.requests_in_flight -= 1
-            self.gw.admission.finished(call.lane)
+            self.admission.finished(call.lane)
 
     def _timeout(self, lane: LaneConfig, stream: bool) -> dict[str, float | None]:
         """The request's timeout extension. A stream's idle watchdog is the socket read
@@ -280,10 +235,7 @@ class Relay:
         key = (lane.name, stream)
         t = self._timeouts.get(key)
         if t is None or t["read"] != read:
-            t = httpx.Timeout(
-                connect=CONNECT_TIMEOUT_S, read=read, write=30.0, pool=POOL_TIMEOUT_S
-            ).as_dict()
-            self._timeouts[key] = t
+            t = self._timeouts[key] = timeout_extension(read)
         return t
 
     def _upstream_headers(self, call: Call, replica: Replica) -> list[tuple[bytes, bytes]]:
@@ -293,139 +245,123 @@ class Relay:
             headers.append((b"authorization", b"Bearer " + replica.api_key.encode()))
         return headers
 
+    def _request(self, call: Call, replica: Replica) -> httpx.Request:
+        if call.query:
+            url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
+        else:
+            url = self._urls.get((replica.url, call.path))
+            if url is None:
+                url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
+        # Built directly, with the body as a ready stream: a fifth of the cost of
+        # ``content=`` (which copies headers twice to add Host and Content-Length; the
+        # transport adds both from the URL and the bytes) and of client.build_request().
+        return httpx.Request(
+            "POST",
+            url,
+            stream=httpx.ByteStream(call.body),
+            headers=self._upstream_headers(call, replica),
+            extensions={"timeout": self._timeout(call.lane, call.stream)},
+        )
+
     async def _attempt(self, call: Call, replica: Replica, send: Send, deadline: float) -> None:
         """One attempt on ``replica``. ``deadline`` (event loop time) is the request's: a
-        stream's first-token watchdog fires at it at the latest."""
-        fleet = self.gw.fleet
+        stream's first-token watchdog fires at it at the latest.
+
+        Whatever goes wrong becomes a ``Fault`` (with the words for it), judged in one place
+        (``_settle``): raised as ``RetryableFailure`` while the client has nothing, else the
+        client's stream is ended with an error event."""
         attempt = Attempt(replica, call.task)
-        fleet.attempt_started(replica)
+        self.fleet.attempt_started(replica)
         replica.streams.add(attempt)
         call.replica = replica
         call.pool = replica.pool
-        failure: str | None = None
+        failure: FailureKind | None = None
         response: httpx.Response | None = None
         try:
-            if call.query:
-                url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
-            else:
-                url = self._urls.get((replica.url, call.path))
-                if url is None:
-                    url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
-            # Built directly, with the body as a ready stream: a fifth of the cost of
-            # ``content=`` (which copies headers twice to add Host and Content-Length; aiohttp
-            # adds both from the URL and the bytes) and of client.build_request().
-            request = httpx.Request(
-                "POST",
-                url,
-                stream=httpx.ByteStream(call.body),
-                headers=self._upstream_headers(call, replica),
-                extensions={"timeout": self._timeout(call.lane, call.stream)},
-            )
-            if call.overhead_s is None:  # arrival to the first send, retries apart
-                call.overhead_s = now() - call.received_at
-            # The first-token watchdog (streams only) runs from the attempt's start: a replica
-            # that withholds its status line is as silent as one withholding its first token.
-            # It fires at the request's deadline at the latest, and is switched off just
-            # before anything is sent to the client. A plain response arrives whole at the end
-            # of generation: its attempt is not cut (the deadline only stops further ones).
-            fire_at = None
-            if call.stream:
-                fire_at = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
-                if fire_at > deadline:
-                    fire_at = deadline
             try:
-                async with asyncio.timeout_at(fire_at) as watchdog:
-                    try:
+                request = self._request(call, replica)
+                if call.overhead_s is None:  # arrival to the first send, retries apart
+                    call.overhead_s = now() - call.received_at
+                # The first-token watchdog (streams only) runs from the attempt's start: a
+                # replica that withholds its status line is as silent as one withholding its
+                # first token. It fires at the request's deadline at the latest, and is switched
+                # off just before anything is sent to the client. A plain response arrives whole
+                # at the end of generation: its attempt is not cut (the deadline only stops
+                # further ones).
+                fire_at = None
+                if call.stream:
+                    fire_at = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
+                    if fire_at > deadline:
+                        fire_at = deadline
+                try:
+                    async with asyncio.timeout_at(fire_at) as watchdog:
                         response = await self.transport.handle_async_request(request)
-                    except httpx.ReadTimeout:
-                        raise  # silent before the status line: the idle watchdog, below
-                    except (httpx.TransportError, aiohttp.ClientError) as exc:
-                        if _reached_replica(exc):
-                            failure = "reset"
-                            detail = f"{replica.name} closed the connection: {_why(exc)}"
-                            raise self._after_send(call, failure, detail) from None
-                        # Refused, unreachable, connect timeout: the replica never saw the
-                        # request. An answer that is not HTTP (aiohttp's own error, unmapped
-                        # by the transport) comes from something that is no vLLM server (a
-                        # wrong port, another protocol): nothing was generated, so it is
-                        # retried the same way.
-                        failure = "connect"
-                        detail = f"connect to {replica.name}: {_why(exc)}"
-                        raise RetryableFailure("connect", failure, detail) from None
-                    await self._relay_response(call, attempt, response, send, watchdog)
-            except TimeoutError:
-                if fire_at == deadline:
-                    # Cut short by the request's deadline, not by its own timeout: no verdict
-                    # on the replica (as when the client leaves), and no retry after it.
-                    detail = (
-                        f"{replica.name} sent no token before the request's deadline "
-                        f"(retry.deadline_s={self.gw.policy.retry.deadline_s:g})"
-                    )
-                    # No retry: the deadline has passed (uvloop's millisecond timers may fire a
-                    # hair before loop.time() reaches it, so the loop's own check can miss).
-                    raise RetryableFailure(
-                        "first_token_timeout", None, detail, retry=False
-                    ) from None
-                failure = "first_token_timeout"
-                detail = f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s"
-                raise RetryableFailure("first_token_timeout", failure, detail) from None
-            if call.status >= 500:
-                failure = "upstream_5xx"
-        except asyncio.CancelledError:
-            reason = attempt.interrupted
-            task = call.task
-            if reason is None or task is None or task.uncancel() > 0:
-                raise  # the client left (or the server stops): nothing more to do
-            # Ended by a health verdict on its replica (DESIGN 5, rescue).
-            failure = "stream_idle"
-            if not attempt.content_sent and not call.started:
-                raise RetryableFailure(
-                    "replica_ejected", None, f"replica {replica.name} was ejected ({reason})"
-                ) from None
-            await self._end_stream_with_error(
-                call, send, f"replica {replica.name} stopped generating and was ejected"
-            )
-        except RetryableFailure as exc:
-            failure = failure or exc.failure
-            raise
-        except httpx.TimeoutException:
-            # The idle watchdog (the socket read timeout) fired.
-            failure = "stream_idle"
-            if not call.started:
-                raise RetryableFailure(
-                    "first_token_timeout", failure, f"{replica.name} went silent"
-                ) from None
-            await self._end_stream_with_error(
-                call,
-                send,
-                f"replica {replica.name} sent nothing for {call.lane.stream_idle_timeout_s:g}s",
-            )
-        except (httpx.TransportError, aiohttp.ClientError) as exc:
-            # The answer had begun: the request was sent.
-            failure = "reset"
-            if not call.started:
-                detail = f"{replica.name} closed the connection: {_why(exc)}"
-                raise self._after_send(call, failure, detail) from None
-            await self._end_stream_with_error(
-                call, send, f"replica {replica.name} closed the connection mid-stream"
-            )
+                        attempt.phase = Phase.HELD
+                        await self._relay_response(call, attempt, response, send, watchdog)
+                except TimeoutError:
+                    raise self._watchdog_fault(call, replica, fire_at == deadline) from None
+                if call.status >= 500:
+                    failure = FailureKind.UPSTREAM_5XX
+                return
+            except asyncio.CancelledError:
+                reason = attempt.interrupted
+                task = call.task
+                if reason is None or task is None or task.uncancel() > 0:
+                    raise  # the client left (or the server stops): nothing more to do
+                # Ended by a health verdict on its replica: a rescue while nothing was sent.
+                fault, why = Fault.EJECTED, reason
+            except AttemptFault as exc:
+                fault, why = exc.fault, exc.detail
+            except UpstreamError as exc:
+                fault, why = _fault_of(exc), exc.why
+            verdict = self._judge(call, attempt, fault)
+            failure = verdict.failure
+            await self._settle(call, attempt, send, verdict, _detail(fault, attempt, call, why))
         finally:
             replica.streams.discard(attempt)
-            fleet.attempt_finished(replica, failure)
-            self.gw.admission.released(replica)
+            self.fleet.attempt_finished(replica, failure)
+            self.admission.released(replica)
             if response is not None:
                 with contextlib.suppress(Exception):
                     await response.aclose()
 
-    def _after_send(self, call: Call, failure: str, detail: str) -> RetryableFailure:
-        """A reset after the request was sent, before anything reached the client. The
-        replica may have spent GPU work on it, so like a 500/502/504 it is retried only with
-        ``retry.on_5xx_after_send``, at most once per request (RELIABILITY 6); counted under
-        that rule's retry reason, ``upstream_5xx``. Otherwise the request fails with it."""
-        retry = self.gw.policy.retry.on_5xx_after_send and not call.retried_after_send
-        if retry:
+    def _judge(self, call: Call, attempt: Attempt, fault: Fault) -> Verdict:
+        return judge(
+            fault,
+            attempt.phase,
+            on_5xx_after_send=self.policy().retry.on_5xx_after_send,
+            after_send_used=call.retried_after_send,
+        )
+
+    async def _settle(
+        self, call: Call, attempt: Attempt, send: Send, verdict: Verdict, detail: str
+    ) -> None:
+        """Act on a judged fault: end the client's stream, or raise ``RetryableFailure``."""
+        if verdict.action is Action.END_STREAM:
+            await self._end_stream_with_error(call, send, detail)
+            return
+        if verdict.spends_after_send:
             call.retried_after_send = True
-        return RetryableFailure("upstream_5xx", failure, detail, retry=retry)
+        raise RetryableFailure(
+            verdict.reason,
+            verdict.failure,
+            detail,
+            overloaded=verdict.overloaded,
+            retry=verdict.action is Action.RETRY,
+        )
+
+    def _watchdog_fault(self, call: Call, replica: Replica, at_deadline: bool) -> AttemptFault:
+        if at_deadline:
+            # Cut short by the request's deadline, not by its own timeout.
+            return AttemptFault(
+                Fault.DEADLINE,
+                f"{replica.name} sent no token before the request's deadline "
+                f"(retry.deadline_s={self.policy().retry.deadline_s:g})",
+            )
+        return AttemptFault(
+            Fault.FIRST_TOKEN_TIMEOUT,
+            f"{replica.name} sent no token within {call.lane.first_token_timeout_s:g}s",
+        )
 
     async def _relay_response(
         self,
@@ -436,19 +372,14 @@ class Relay:
         watchdog: asyncio.Timeout,
     ) -> None:
         status = response.status_code
-        name = attempt.replica.name
-        if status in (429, 503):
-            await response.aread()
-            # A 429 is a busy replica, not a broken one: retried, but never held against it
-            # (ejecting replicas for being busy would only push their load onto the rest).
-            failure = None if status == 429 else "upstream_5xx"
-            detail = f"{name} answered {status} (overloaded)"
-            raise RetryableFailure("upstream_5xx", failure, detail, overloaded=True)
-        if status in (500, 502, 504):
-            # Retried only under the opt-in, once; otherwise the replica's answer is relayed.
-            if self.gw.policy.retry.on_5xx_after_send and not call.retried_after_send:
+        fault = _STATUS_FAULTS.get(status)
+        if fault is not None:
+            # 429 / 503 are retried (busy); 500 / 502 / 504 only under the opt-in, once,
+            # otherwise the replica's answer is relayed.
+            if self._judge(call, attempt, fault).action is not Action.RELAY:
                 await response.aread()
-                raise self._after_send(call, "upstream_5xx", f"{name} answered {status}")
+                busy = " (overloaded)" if fault in (Fault.BUSY_429, Fault.BUSY_503) else ""
+                raise AttemptFault(fault, f"{attempt.replica.name} answered {status}{busy}")
             attempt.last_progress = time.monotonic()
         if call.stream and status == 200 and _is_event_stream(response):
             await self._relay_stream(call, attempt, response, send, watchdog)
@@ -464,7 +395,7 @@ class Relay:
         headers.append((b"x-request-id", call.request_id.encode()))
         if call.extra_headers:
             headers += call.extra_headers
-        if self.gw.policy.server.response_headers:
+        if self.policy().server.response_headers:
             headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
             if call.replica is not None:
                 headers.append((b"x-tokenlane-replica", call.replica.name.encode()))
@@ -490,7 +421,7 @@ class Relay:
             with contextlib.suppress(ValueError):
                 call.usage = sse.usage_of(json.loads(body))
         call.started = True
-        attempt.content_sent = True
+        attempt.phase = Phase.CONTENT
         await self._send_start(
             call, send, self._response_start(call, response, call.status), body, False
         )
@@ -520,7 +451,7 @@ class Relay:
             call.stream = True
         call.status = response.status_code
         call.started = True
-        attempt.content_sent = True
+        attempt.phase = Phase.CONTENT
         attempt.last_progress = time.monotonic()
         await send(self._response_start(call, response, call.status))
         async for chunk in raw_chunks(response):
@@ -560,9 +491,8 @@ class Relay:
                     ended = True
                     break
                 if sse.is_error(obj):
-                    raise RetryableFailure(
-                        "upstream_5xx",
-                        "upstream_5xx",
+                    raise AttemptFault(
+                        Fault.ERROR_EVENT,
                         f"{attempt.replica.name} failed before the first token: "
                         f"{_error_message(obj)}",
                     )
@@ -572,15 +502,15 @@ class Relay:
             if found or ended:
                 break
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
-        metrics = self.gw.metrics
+        metrics = self.metrics
         call.status = 200
         call.started = True
-        attempt.content_sent = found
+        attempt.phase = Phase.CONTENT if found else Phase.STARTED
         body = held[0] if len(held) == 1 else b"".join(held)
         # A stream that ended within the held chunks (one burst) goes out whole, its end in
         # the same write.
-        if not ended and isinstance(response.stream, RawResponseStream):
-            ended = response.stream.at_eof()
+        if not ended:
+            ended = at_eof(response)
         await self._send_start(
             call, send, self._response_start(call, response, 200), body, not ended
         )
@@ -596,7 +526,8 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 t2 = now()
                 if not found:
-                    found = attempt.content_sent = True
+                    found = True
+                    attempt.phase = Phase.CONTENT
                     call.ttft_s = t2 - call.received_at
                 else:
                     itl.observe(t2 - t)
@@ -649,22 +580,6 @@ class Relay:
         )
 
 
-def _reached_replica(exc: BaseException) -> bool:
-    """Whether a transport failure came on an established connection (the request may have
-    reached the replica) rather than while connecting. The aiohttp transport raises
-    ``ConnectTimeout`` for every aiohttp connection error, refused and reset alike, keeping
-    aiohttp's exception as the cause: the cause tells them apart."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, aiohttp.ClientError) else exc
-    if isinstance(cause, aiohttp.ClientConnectionError):
-        # Connector errors cover refused, DNS and TLS; ConnectionTimeoutError the connect
-        # and pool timeouts.
-        return not isinstance(cause, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
-    if isinstance(cause, aiohttp.ClientError):
-        return False  # not HTTP: see the caller
-    # Without aiohttp underneath: httpx's own classes say the phase.
-    return not isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
-
-
 def query_text(raw: bytes) -> str:
     """A query string as it came, for a URL: bytes a client left unencoded (non-ASCII) are
     percent-encoded as themselves, never decoded and re-encoded as other characters."""
@@ -689,17 +604,36 @@ def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
     return stream.__aiter__()
 
 
-def _why(exc: BaseException) -> str:
-    """The root cause of an httpx error: the aiohttp transport reports a refused connection
-    as ``ConnectTimeout``, so look at the cause to tell refused from slow."""
-    cause = exc.__cause__ or exc.__context__
-    while cause is not None and (cause.__cause__ or cause.__context__) is not None:
-        nxt = cause.__cause__ or cause.__context__
-        if nxt is cause:
-            break
-        cause = nxt
-    text = str(cause or exc) or type(cause or exc).__name__
-    return text[:200]
+def _fault_of(exc: UpstreamError) -> Fault:
+    """How far an upstream exchange got, in the relay's words."""
+    if isinstance(exc, UpstreamReadTimeout):
+        return Fault.READ_TIMEOUT
+    if isinstance(exc, UpstreamClosed):
+        return Fault.CLOSED
+    # Unreached, or not HTTP: the replica never took the request, nothing was generated.
+    return Fault.UNREACHED
+
+
+def _detail(fault: Fault, attempt: Attempt, call: Call, why: str) -> str:
+    """The words for a fault: the request's error (retry apart) or the client's error event.
+    Faults the relay found itself come with theirs (``why``)."""
+    name = attempt.replica.name
+    started = attempt.phase >= Phase.STARTED
+    if fault is Fault.UNREACHED:
+        return f"connect to {name}: {why}"
+    if fault is Fault.CLOSED:
+        if started:
+            return f"replica {name} closed the connection mid-stream"
+        return f"{name} closed the connection: {why}"
+    if fault is Fault.READ_TIMEOUT:
+        if started:
+            return f"replica {name} sent nothing for {call.lane.stream_idle_timeout_s:g}s"
+        return f"{name} went silent"
+    if fault is Fault.EJECTED:
+        if started:
+            return f"replica {name} stopped generating and was ejected"
+        return f"replica {name} was ejected ({why})"
+    return why
 
 
 def _error_message(obj: Any) -> str:

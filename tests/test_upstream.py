@@ -1,0 +1,216 @@
+"""The upstream seam over real sockets: each way an exchange with a replica can go wrong comes
+out as the one Tokenlane error that says how far it got, from the send and from the body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import httpx
+import pytest
+
+from proxy.config import build_policy
+from proxy.errors import (
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamNotHttp,
+    UpstreamReadTimeout,
+    UpstreamUnreached,
+)
+from proxy.relay import upstream
+from proxy.relay.upstream import UpstreamClient, make_client, timeout_extension
+
+from .gateway import policy_for
+from .servers import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A TCP server answering with ``handler``; yields its URL and an event set once a whole
+    request head has been read (the request reached the "replica")."""
+    got_request = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            got_request.set()
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", got_request
+    finally:
+        server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c = make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def send(client: UpstreamClient, url: str, read: float | None = None) -> httpx.Response:
+    request = httpx.Request(
+        "POST",
+        url + "/v1/chat/completions",
+        stream=httpx.ByteStream(b"{}"),
+        extensions={"timeout": timeout_extension(read)},
+    )
+    return await client.transport.handle_async_request(request)
+
+
+async def read_body(response: httpx.Response) -> bytes:
+    stream = response.stream
+    assert isinstance(stream, httpx.AsyncByteStream)
+    return b"".join([chunk async for chunk in stream])
+
+
+async def test_a_refused_connection_never_reached_the_replica(client: UpstreamClient) -> None:
+    with pytest.raises(UpstreamUnreached) as info:
+        await send(client, f"http://127.0.0.1:{free_port()}")
+    assert "refused" in info.value.why.lower() or "connect" in info.value.why.lower()
+
+
+async def test_a_close_after_the_request_is_closed_not_unreached(client: UpstreamClient) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        return
+
+    async with raw_server(hang_up) as (url, got_request):
+        with pytest.raises(UpstreamClosed):
+            await send(client, url)
+        assert got_request.is_set()
+
+
+async def test_an_answer_that_is_not_http(client: UpstreamClient) -> None:
+    async def babble(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client gives up
+
+    async with raw_server(babble) as (url, _):
+        with pytest.raises(UpstreamNotHttp):
+            await send(client, url)
+
+
+async def test_silence_before_the_status_line_is_a_read_timeout(client: UpstreamClient) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async with raw_server(silent) as (url, _):
+        with pytest.raises(UpstreamReadTimeout):
+            await send(client, url, read=0.2)
+
+
+async def test_silence_mid_body_is_a_read_timeout(client: UpstreamClient) -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + b"6\r\ndata: \r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(stall) as (url, _):
+        response = await send(client, url, read=0.2)
+        assert response.status_code == 200
+        with pytest.raises(UpstreamReadTimeout):
+            await read_body(response)
+        await response.aclose()
+
+
+async def test_a_body_cut_short_is_closed(client: UpstreamClient) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + b"6\r\ndata: \r\n")
+        await writer.drain()
+
+    async with raw_server(cut) as (url, _):
+        response = await send(client, url)
+        with pytest.raises(UpstreamClosed):
+            await read_body(response)
+        await response.aclose()
+
+
+async def test_none_of_the_seams_errors_is_a_timeout_or_os_error() -> None:
+    # The relay's own watchdog is an asyncio timeout (TimeoutError); an upstream read timeout
+    # must never be mistaken for it, nor caught as an OSError by code that means sockets.
+    for cls in (UpstreamUnreached, UpstreamNotHttp, UpstreamClosed, UpstreamReadTimeout):
+        assert issubclass(cls, UpstreamError)
+        assert not issubclass(cls, (TimeoutError, OSError))
+
+
+async def test_the_client_raises_the_seams_errors_too(client: UpstreamClient) -> None:
+    # The health loop goes through AsyncClient.get: the same mapping applies.
+    with pytest.raises(UpstreamUnreached):
+        await client.get(f"http://127.0.0.1:{free_port()}/health", timeout=2)
+
+
+def _conn_key() -> object:
+    # ClientConnectorError wants a connection key and an OSError.
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ssl=False, host="127.0.0.1", port=1)
+
+
+SEND_TABLE = [
+    (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ConnectionTimeoutError("connect"), UpstreamUnreached),
+    (aiohttp.ClientConnectorError(_conn_key(), OSError(111, "refused")), UpstreamUnreached),  # type: ignore[arg-type]
+    (aiohttp.ServerDisconnectedError(), UpstreamClosed),
+    (aiohttp.ClientOSError(104, "reset"), UpstreamClosed),
+    (aiohttp.ClientPayloadError("cut"), UpstreamNotHttp),
+    (aiohttp.ClientResponseError(None, (), message="bad status line"), UpstreamNotHttp),  # type: ignore[arg-type]
+]
+READ_TABLE = [
+    (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ServerTimeoutError("read"), UpstreamReadTimeout),
+    (aiohttp.ServerDisconnectedError(), UpstreamClosed),
+    (aiohttp.ClientPayloadError("cut"), UpstreamClosed),
+    (aiohttp.ClientOSError(104, "reset"), UpstreamClosed),
+]
+
+
+@pytest.mark.parametrize(("exc", "want"), SEND_TABLE, ids=lambda v: type(v).__name__)
+def test_the_send_mapping(exc: BaseException, want: type[UpstreamError]) -> None:
+    with pytest.raises(want) as info, upstream._mapped(upstream._SENDING):
+        raise exc
+    assert info.value.__cause__ is exc
+    assert type(info.value) is want
+
+
+@pytest.mark.parametrize(("exc", "want"), READ_TABLE, ids=lambda v: type(v).__name__)
+def test_the_read_mapping(exc: BaseException, want: type[UpstreamError]) -> None:
+    with pytest.raises(want), upstream._mapped(upstream._READING):
+        raise exc
+
+
+def test_an_httpx_error_is_mapped_by_its_aiohttp_cause() -> None:
+    with pytest.raises(UpstreamClosed), upstream._mapped(upstream._READING):
+        try:
+            raise aiohttp.ServerDisconnectedError()
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.ConnectTimeout("mapped by httpx-aiohttp") from exc
+
+
+def test_anything_else_passes_unchanged() -> None:
+    with pytest.raises(KeyError), upstream._mapped(upstream._SENDING):
+        raise KeyError("a bug")
+
+
+def test_the_root_cause_is_the_innermost_text() -> None:
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as inner:
+            raise aiohttp.ClientOSError(111, "Cannot connect") from inner
+    except aiohttp.ClientOSError as exc:
+        assert upstream.root_cause(exc) == "[Errno 111] Connection refused"
