@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proxy.routing.tokens import TokenizerError, load_counter
+from proxy.errors import PolicyError, TokenizerError
+from proxy.routing.tokens import load_counter
 
 ENV_PREFIX = "TOKENLANE_"
 MiB = 1024 * 1024
@@ -37,14 +38,6 @@ RESTART_KEYS: tuple[str, ...] = (
     "estimate.tokenizer_file",
     "redis.url",
 )
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be used; ``problems`` names each fault by its path."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
 
 
 class _Strict(BaseModel):

@@ -28,6 +28,7 @@ from re import compile as re_compile
 from typing import Any, Literal
 
 from proxy.config import EstimateConfig, LaneConfig, Policy
+from proxy.errors import NoLaneMatched
 from proxy.routing.balance import rendezvous_order
 from proxy.routing.tokens import TokenCounter, load_counter
 
@@ -452,10 +453,6 @@ def affinity_key(profile: Profile, prefix_chars: int) -> str | None:
 
 
 # ------------------------------------------------------------------------------ lanes
-
-
-class NoLaneMatched(LookupError):
-    """No lane's `when` held. A validated policy cannot get here: its last lane has no `when`."""
 
 
 @dataclass(frozen=True, slots=True)
