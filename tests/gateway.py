@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import yaml
 
-from proxy.app import GatewayApp, create_app
 from proxy.config import Policy, build_policy
+from proxy.edge.routes import GatewayApp, create_app
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .servers import free_port, run_process, serve_app

@@ -11,8 +11,8 @@ import httpx
 import yaml
 
 from loadtest.fake_upstream import running
-from proxy.app import create_app
 from proxy.config import load_policy
+from proxy.edge.routes import create_app
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 
 from .gateway import policy_for, wait_ready

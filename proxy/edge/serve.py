@@ -15,7 +15,6 @@ import uvicorn
 from starlette.types import Message
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from proxy.app import Gateway, configure_logging, create_app
 from proxy.config import Policy
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
@@ -24,6 +23,8 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
+from proxy.edge.routes import configure_logging, create_app
+from proxy.gateway import Gateway
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
