@@ -1,9 +1,9 @@
 """The composition root: one gateway process's parts, built and wired once.
 
-``Gateway`` builds the parts (fleet, admission, shared state, guard, relay, health, outcomes),
-swaps in a new policy on reload or when discovery finds other addresses, and starts, stops and
-reports readiness. It handles no request itself: the HTTP edge (``proxy.edge.routes``) does, and
-reads the parts it needs from here.
+``Gateway`` builds the parts (fleet, admission, shared state, relay, health, outcomes), swaps in
+a new policy on reload or when discovery finds other addresses, and starts, stops and reports
+readiness. It handles no request itself and imports nothing of the HTTP edge: the edge
+(``proxy.edge.routes``) builds its own door (``auth.Guard``) over these parts and serves them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 from collections.abc import Mapping
 
 from proxy.config import Policy, keep_restart_keys, load_policy, restart_changes
-from proxy.edge.auth import ClientKeys, Guard
 from proxy.errors import PolicyError
 from proxy.fleet.discovery import Discovery, dns_hosts, expand
 from proxy.fleet.fleet import Fleet
@@ -70,11 +69,6 @@ class Gateway:
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances.
         self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
-        self.guard = Guard(
-            ClientKeys.from_env(self.environ, policy.server.api_keys_env),
-            self.shared.rate_limiter(lambda: self.policy.rate_limits),
-            self.metrics,
-        )
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy)
         self.health_client = make_client(policy)

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
@@ -56,6 +56,7 @@ PASSTHROUGH_PATHS = (
 
 _ID_PREFIX = os.urandom(7).hex()
 _id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
+_NO_EXTENSIONS: dict[str, Any] = {}  # a server that advertises none (never written to)
 _REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
@@ -66,7 +67,6 @@ class EndpointParts(Protocol):
     fleet: Fleet
     estimator: Estimator
     max_prefix_chars: int
-    guard: Guard
     relay: Relay
     outcomes: Outcomes
     shutting_down: bool
@@ -123,8 +123,9 @@ async def _listen_for_disconnect(receive: Receive, call: Call) -> None:
 class RelayEndpoint:
     """POST handler for one relayed path: parse, check, classify, relay, observe."""
 
-    def __init__(self, parts: EndpointParts, path: str, kind: str) -> None:
+    def __init__(self, parts: EndpointParts, guard: Guard, path: str, kind: str) -> None:
         self.gw = parts
+        self.guard = guard
         self.path = path
         self.kind = kind
         self.check = {
@@ -162,7 +163,8 @@ class RelayEndpoint:
                 )
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
-            key = gw.guard.authenticate(scope["headers"]) if gw.guard.enabled else None
+            guard = self.guard
+            key = guard.authenticate(scope["headers"]) if guard.enabled else None
             raw = await read_body(receive, gw.policy.server.max_body_bytes, content_length)
             # Taken after the body's awaits: a lane from a policy reloaded meanwhile would put
             # its old limits back into admission.
@@ -170,10 +172,10 @@ class RelayEndpoint:
             call = self._make_call(policy, raw, headers, request_id, received_at)
             call.query = scope.get("query_string", b"")
             if key is not None:
-                gw.guard.charge(key, call, policy.estimate.chars_per_token)
+                guard.charge(key, call, policy.estimate.chars_per_token)
             call.task = asyncio.current_task()
-            ext = scope.get("extensions")
-            hook = ext.get(CLIENT_GONE) if ext is not None else None
+            ext = scope.get("extensions") or _NO_EXTENSIONS
+            hook = ext.get(CLIENT_GONE)
             if hook is not None:
                 call.start_with_body = START_WITH_BODY in ext
                 hook.callback = functools.partial(_client_gone, call)

@@ -1,8 +1,9 @@
 """The ASGI application: the relayed paths first, Starlette for the rest, and logging.
 
 ``GatewayApp`` sends the relayed paths (``endpoint.RelayEndpoint``) straight to their handler
-and everything else (models, health, ready, metrics, admin, the lifespan) to Starlette.
-``create_app`` builds a ``proxy.gateway.Gateway`` and the app over it.
+and everything else (models, health, ready, metrics, admin, the lifespan) to Starlette, behind
+the client-key door (``auth.Guard``) it builds. ``create_app`` builds a ``proxy.gateway.Gateway``
+and the app over it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from proxy.config import Policy
 from proxy.edge.admin import admin_routes
+from proxy.edge.auth import ClientKeys, Guard
 from proxy.edge.endpoint import PASSTHROUGH_PATHS, RelayEndpoint, request_id_from
 from proxy.errors import (
     GatewayError,
@@ -105,12 +107,19 @@ class GatewayApp:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # The door: client keys from the environment (a restart key); their budgets live in
+        # the shared state, so with Redis every instance counts against the same limits.
+        self.guard = guard = Guard(
+            ClientKeys.from_env(gateway.environ, gateway.policy.server.api_keys_env),
+            gateway.shared.rate_limiter(lambda: gateway.policy.rate_limits),
+            gateway.metrics,
+        )
         self.fast: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
-            "/v1/chat/completions": RelayEndpoint(gateway, "/v1/chat/completions", "chat"),
-            "/v1/completions": RelayEndpoint(gateway, "/v1/completions", "completion"),
+            "/v1/chat/completions": RelayEndpoint(gateway, guard, "/v1/chat/completions", "chat"),
+            "/v1/completions": RelayEndpoint(gateway, guard, "/v1/completions", "completion"),
         }
         for path in PASSTHROUGH_PATHS:
-            self.fast[path] = RelayEndpoint(gateway, path, "other")
+            self.fast[path] = RelayEndpoint(gateway, guard, path, "other")
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -144,7 +153,7 @@ class GatewayApp:
                     rid = v
                     break
             request_id = request_id_from(rid)
-            guard = self.gateway.guard
+            guard = self.guard
             if guard.enabled and scope["path"].startswith("/v1/"):
                 try:
                     guard.authenticate(scope["headers"])
