@@ -3,7 +3,7 @@
 They are plain ASGI handlers dispatched by path before Starlette (``routes.GatewayApp``): every
 chunk of every stream passes through them, and each middleware layer would add a wrapped
 ``send`` per chunk. An endpoint gets the parts it uses through ``EndpointParts``, looked up per
-request: a reload swaps ``policy`` and ``max_prefix_chars``.
+request (a reload swaps ``policy`` and ``max_prefix_chars``), and the client-key ``Guard``.
 """
 
 from __future__ import annotations
