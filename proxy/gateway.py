@@ -1,9 +1,10 @@
 """The composition root: one gateway process's parts, built and wired once.
 
-``Gateway`` builds the parts (fleet, admission, shared state, relay, health, outcomes), swaps in
-a new policy on reload or when discovery finds other addresses, and starts, stops and reports
-readiness. It handles no request itself and imports nothing of the HTTP edge: the edge
-(``proxy.edge.routes``) builds its own door (``auth.Guard``) over these parts and serves them.
+``Gateway`` builds the parts (fleet, admission, shared state, the client-key guard, relay,
+health, outcomes), swaps in a new policy on reload or when discovery finds other addresses, and
+starts, stops and reports readiness. It handles no request itself: ``create_app`` puts the HTTP
+edge (``proxy.edge.routes.GatewayApp``) over it, and the edge reads the parts it needs through
+small protocols, never this class.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 from collections.abc import Mapping
 
 from proxy.config import Policy, keep_restart_keys, load_policy, restart_changes
+from proxy.edge.auth import ClientKeys, Guard
+from proxy.edge.routes import GatewayApp
 from proxy.errors import PolicyError
 from proxy.fleet.discovery import Discovery, dns_hosts, expand
 from proxy.fleet.fleet import Fleet
@@ -69,6 +72,11 @@ class Gateway:
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances.
         self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
+        self.guard = Guard(
+            ClientKeys.from_env(self.environ, policy.server.api_keys_env),
+            self.shared.rate_limiter(lambda: self.policy.rate_limits),
+            self.metrics,
+        )
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy)
         self.health_client = make_client(policy)
@@ -200,4 +208,14 @@ class Gateway:
         return not missing, missing
 
 
-__all__ = ["POLICY_POLL_S", "Gateway"]
+def create_app(
+    policy: Policy,
+    *,
+    environ: Mapping[str, str] | None = None,
+    policy_path: str | None = None,
+) -> GatewayApp:
+    """A gateway and the ASGI app that serves it (``app.gateway`` holds the parts)."""
+    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path))
+
+
+__all__ = ["POLICY_POLL_S", "Gateway", "create_app"]

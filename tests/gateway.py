@@ -14,8 +14,9 @@ import httpx
 import yaml
 
 from proxy.config import Policy, build_policy
-from proxy.edge.routes import GatewayApp, create_app
+from proxy.edge.routes import GatewayApp
 from proxy.edge.serve import NoDelayHttpToolsProtocol
+from proxy.gateway import create_app
 
 from .servers import free_port, run_process, serve_app
 

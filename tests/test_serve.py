@@ -29,8 +29,8 @@ from proxy.edge.asgi_ext import (
     ClientGoneHook,
 )
 from proxy.edge.endpoint import request_id_from
-from proxy.edge.routes import create_app
 from proxy.edge.serve import NoDelayHttpToolsProtocol
+from proxy.gateway import create_app
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app

@@ -1,9 +1,8 @@
 """The ASGI application: the relayed paths first, Starlette for the rest, and logging.
 
 ``GatewayApp`` sends the relayed paths (``endpoint.RelayEndpoint``) straight to their handler
-and everything else (models, health, ready, metrics, admin, the lifespan) to Starlette, behind
-the client-key door (``auth.Guard``) it builds. ``create_app`` builds a ``proxy.gateway.Gateway``
-and the app over it.
+and everything else (models, health, ready, metrics, admin, the lifespan) to Starlette. It reads
+the gateway through ``AppGateway``; ``proxy.gateway.create_app`` builds both.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ import contextlib
 import gc
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -23,10 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from proxy.config import Policy
-from proxy.edge.admin import admin_routes
-from proxy.edge.auth import ClientKeys, Guard
-from proxy.edge.endpoint import PASSTHROUGH_PATHS, RelayEndpoint, request_id_from
+from proxy.edge.admin import AdminGateway, admin_routes
+from proxy.edge.auth import Guard
+from proxy.edge.endpoint import PASSTHROUGH_PATHS, EndpointParts, RelayEndpoint, request_id_from
 from proxy.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -35,17 +33,33 @@ from proxy.errors import (
     internal_error,
     send_error,
 )
-from proxy.gateway import Gateway
 from proxy.observe.accesslog import logger as access_log
+from proxy.observe.metrics import Metrics
+from proxy.observe.outcomes import Outcomes
 
 log = logging.getLogger("tokenlane")
+
+
+class AppGateway(EndpointParts, AdminGateway, Protocol):
+    """What the app reads of the gateway (``proxy.gateway.Gateway`` has it all): the parts of
+    the relayed endpoints and of the admin API, the door, and the lifecycle."""
+
+    guard: Guard
+    metrics: Metrics
+    outcomes: Outcomes
+
+    def ready(self) -> tuple[bool, list[str]]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def _json(data: Any, status: int = 200) -> Response:
     return JSONResponse(data, status_code=status)
 
 
-def build_routes(gw: Gateway) -> list[Route]:
+def build_routes(gw: AppGateway) -> list[Route]:
     async def models(request: Request) -> Response:
         return _json({"object": "list", "data": list(gw.fleet.models().values())})
 
@@ -105,15 +119,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 class GatewayApp:
     """The ASGI application: relayed paths first, Starlette for the rest."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: AppGateway) -> None:
         self.gateway = gateway
-        # The door: client keys from the environment (a restart key); their budgets live in
-        # the shared state, so with Redis every instance counts against the same limits.
-        self.guard = guard = Guard(
-            ClientKeys.from_env(gateway.environ, gateway.policy.server.api_keys_env),
-            gateway.shared.rate_limiter(lambda: gateway.policy.rate_limits),
-            gateway.metrics,
-        )
+        guard = gateway.guard
         self.fast: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             "/v1/chat/completions": RelayEndpoint(gateway, guard, "/v1/chat/completions", "chat"),
             "/v1/completions": RelayEndpoint(gateway, guard, "/v1/completions", "completion"),
@@ -153,7 +161,7 @@ class GatewayApp:
                     rid = v
                     break
             request_id = request_id_from(rid)
-            guard = self.guard
+            guard = self.gateway.guard
             if guard.enabled and scope["path"].startswith("/v1/"):
                 try:
                     guard.authenticate(scope["headers"])
@@ -176,15 +184,6 @@ def _with_request_id(send: Send, request_id: str) -> Send:
     return sender
 
 
-def create_app(
-    policy: Policy,
-    *,
-    environ: Mapping[str, str] | None = None,
-    policy_path: str | None = None,
-) -> GatewayApp:
-    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path))
-
-
 def configure_logging(level: str = "info") -> None:
     """Access log lines are JSON written as they are; everything else gets a short prefix."""
     root = logging.getLogger("tokenlane")
@@ -204,4 +203,4 @@ def configure_logging(level: str = "info") -> None:
     root.addHandler(other)
 
 
-__all__ = ["GatewayApp", "build_routes", "configure_logging", "create_app"]
+__all__ = ["AppGateway", "GatewayApp", "build_routes", "configure_logging"]

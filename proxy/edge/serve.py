@@ -23,8 +23,8 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
-from proxy.edge.routes import configure_logging, create_app
-from proxy.gateway import Gateway
+from proxy.edge.routes import configure_logging
+from proxy.gateway import Gateway, create_app
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
