@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proxy.routing.tokens import TokenizerError, load_counter
+from proxy.errors import PolicyError, TokenizerError
+from proxy.routing.tokens import load_counter
 
 ENV_PREFIX = "TOKENLANE_"
 
@@ -385,20 +386,6 @@ class Problem:
         if self.line is None:
             return f"{name}: {text}"
         return f"{name}:{self.line}:{self.column}: {text}"
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be used; ``problems`` names each fault by its path, ``details``
-    (when known) says where each one is."""
-
-    def __init__(self, problems: list[str], details: list[Problem] | None = None) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-        self.details = details or []
-
-    @classmethod
-    def of(cls, details: list[Problem]) -> PolicyError:
-        return cls([p.plain() for p in details], details)
 
 
 Marks = dict[Loc, tuple[int, int]]

@@ -112,7 +112,7 @@ def banner(policy: Policy, urls: dict[str, str], policy_path: str = "") -> str:
 
 def run_demo(policy_path: str | None = None, port: int | None = None) -> int:
     from loadtest.sim.supervisor import SimSpec, Supervisor
-    from proxy.app import configure_logging
+    from proxy.edge.routes import configure_logging
     from proxy.edge.serve import serve
 
     configure_logging("info")

@@ -1,17 +1,32 @@
-"""Errors the gateway makes itself, their one mapping to HTTP, and the words for what failed.
+"""Every exception Tokenlane raises itself, and their one rendering to HTTP and SSE.
 
-    GatewayError                    -> status, OpenAI error body
-    ├── BadRequest (400)            body not JSON / not an object / wrong field types
-    ├── Unauthorized (401)          missing or wrong client key
-    ├── NotFound (404)              unknown path, unknown model
-    ├── MethodNotAllowed (405)
-    ├── PayloadTooLarge (413)       body over server.max_body_bytes
-    ├── Rejected (429 / 503)        admission said no; carries Retry-After and a metric reason
-    ├── UpstreamFailed (502)        every attempt failed before anything reached the client
-    └── UpstreamBusy (503)          every replica tried answered 429 / 503
+    TokenlaneError
+    ├── GatewayError                    -> status, OpenAI error body (rendered below)
+    │   ├── BadRequest (400)            body not JSON / not an object / wrong field types
+    │   ├── Unauthorized (401)          missing or wrong client key or admin token
+    │   ├── Forbidden (403)             admin API from a non-loopback client, no token set
+    │   ├── NotFound (404)              unknown path, unknown model, unknown replica
+    │   ├── MethodNotAllowed (405)
+    │   ├── PayloadTooLarge (413)       body over server.max_body_bytes
+    │   ├── PolicyRefused (422)         an admin reload whose new policy is invalid
+    │   ├── Rejected (429 / 503)        admission said no; carries Retry-After and a metric reason
+    │   │   └── ShuttingDown (503)      arrived after SIGTERM: go to another instance
+    │   ├── UpstreamFailed (502)        every attempt failed before anything reached the client
+    │   └── UpstreamBusy (503)          every replica tried answered 429 / 503
+    ├── PolicyError (ValueError)        a policy that cannot be used, each fault by its path
+    ├── TokenizerError (ValueError)     a tokenizer_file that cannot be read
+    ├── ScrapeError (ValueError)        a body that is not a vLLM metrics page
+    ├── NoLaneMatched (LookupError)     no lane's `when` held
+    ├── UnknownReplica (LookupError)    an operator named a URL no replica has
+    ├── AmbiguousReplica (LookupError)  ... one that is in several pools
+    ├── SharedUnavailable               Redis did not answer: go on with the local view
+    └── ClientGone                      the client left before its request was whole
 
-Raised where the fault is found, rendered to HTTP only in ``app.py``. Bodies use OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, as vLLM does since 2025-08.
+Raised where the fault is found; a ``GatewayError`` becomes an answer only through the
+renderers at the end of this module (ASGI messages, a Starlette response, an SSE error event).
+The others keep the builtin base they had (``ValueError``, ``LookupError``) so that callers
+catching those still do. Bodies use OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, as vLLM does since 2025-08.
 
 Errors that never reach a client as such (the relay turns them into one of the above):
 
@@ -30,8 +45,12 @@ an attempt met, ``FailureKind`` what the fleet is told, ``RetryReason`` the
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import Message, Send
 
 
 class FailureKind(StrEnum):
@@ -68,7 +87,14 @@ class Fault(StrEnum):
     ERROR_EVENT = "error_event"  # the stream carried an error event before any content
 
 
-class GatewayError(Exception):
+class TokenlaneError(Exception):
+    """The root of every exception the gateway raises itself."""
+
+
+# ---------------------------------------------------------------------------- answered over HTTP
+
+
+class GatewayError(TokenlaneError):
     status: int = 500
     type: str = "InternalServerError"
 
@@ -83,7 +109,7 @@ class GatewayError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code if code is not None else self.status
+        self.code: str | int | None = code if code is not None else self.status
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -98,6 +124,11 @@ class BadRequest(GatewayError):
 class Unauthorized(GatewayError):
     status = 401
     type = "AuthenticationError"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "PermissionDeniedError"
 
 
 class NotFound(GatewayError):
@@ -115,6 +146,21 @@ class PayloadTooLarge(GatewayError):
     type = "RequestEntityTooLarge"
 
 
+class PolicyRefused(GatewayError):
+    """A reload asked over the admin API whose new policy is invalid: the old one stays, and
+    the answer lists each problem (``problems``, next to ``error``)."""
+
+    status = 422
+    type = "UnprocessableEntityError"
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("the new policy is invalid; the old one stays")
+        self.problems = list(problems)
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), "problems": self.problems}
+
+
 class Rejected(GatewayError):
     """Admission refused: 429 (queue full, rate limited) or 503 (timeout, no replica)."""
 
@@ -129,6 +175,11 @@ class Rejected(GatewayError):
         self.headers.setdefault("retry-after", str(max(1, round(retry_after_s + 0.499))))
 
 
+class ShuttingDown(Rejected):
+    """A request that arrived after SIGTERM: not a rejection by admission, so not counted as
+    one; the client should go to another instance."""
+
+
 class UpstreamFailed(GatewayError):
     status = 502
     type = "BadGatewayError"
@@ -141,6 +192,58 @@ class UpstreamBusy(GatewayError):
     type = "ServiceUnavailableError"
 
 
+# ---------------------------------------------------------------------------- handled inside
+
+
+class PolicyError(TokenlaneError, ValueError):
+    """A policy that cannot be used; ``problems`` names each fault by its path, ``details``
+    (``config.Problem``, when known) says where each one is."""
+
+    def __init__(self, problems: list[str], details: list[Any] | None = None) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+        self.details = details or []
+
+    @classmethod
+    def of(cls, details: list[Any]) -> PolicyError:
+        return cls([p.plain() for p in details], details)
+
+
+class TokenizerError(TokenlaneError, ValueError):
+    """A ``tokenizer_file`` that cannot be read as a tokenizer."""
+
+
+class ScrapeError(TokenlaneError, ValueError):
+    """The body is not a vLLM metrics page (no ``vllm:`` series the detectors need)."""
+
+
+class NoLaneMatched(TokenlaneError, LookupError):
+    """No lane's `when` held. A validated policy cannot get here: its last lane has no `when`."""
+
+
+class UnknownReplica(TokenlaneError, LookupError):
+    """No replica has that URL (in that pool)."""
+
+
+class AmbiguousReplica(TokenlaneError, LookupError):
+    """The URL is in several pools and no pool was named."""
+
+
+class SharedUnavailable(TokenlaneError):
+    """Redis did not answer in time, failed, or the breaker is open: use the local view.
+    (``proxy.state.redislink.Unavailable`` is this class.)"""
+
+
+class ClientGone(TokenlaneError):
+    """The client disconnected before its request was whole: nobody to answer, nothing to
+    log as a server error (a CancelledError out of the app would be, by uvicorn)."""
+
+
+# ---------------------------------------------------------------------------- rendering
+
+INTERNAL_MESSAGE = "internal error in the gateway; see its log"
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
@@ -150,7 +253,7 @@ def error_body(
 # -- the upstream seam (``proxy.relay.upstream``) ------------------------------------------------
 
 
-class UpstreamError(Exception):
+class UpstreamError(TokenlaneError):
     """An HTTP exchange with a replica failed; the subclass says how far it got. The message
     is the innermost cause's text (e.g. "Connection refused")."""
 
@@ -179,7 +282,7 @@ class UpstreamReadTimeout(UpstreamError):
 # -- the relay's attempts ---------------------------------------------------------------------
 
 
-class AttemptFault(Exception):
+class AttemptFault(TokenlaneError):
     """A fault the relay found itself (a status, an error event, its watchdog), on its way to
     the one place that judges faults."""
 
@@ -189,7 +292,7 @@ class AttemptFault(Exception):
         self.detail = detail
 
 
-class RetryableFailure(Exception):
+class RetryableFailure(TokenlaneError):
     """An attempt failed before anything reached the client; another replica may take it,
     unless ``retry`` is False (the request then fails with this failure)."""
 
@@ -208,3 +311,60 @@ class RetryableFailure(Exception):
         self.detail = detail
         self.overloaded = overloaded  # the replica said 429 / 503: busy, not broken
         self.retry = retry
+
+
+def internal_error(code: int | None = 500) -> GatewayError:
+    """The answer to an unexpected exception: its detail goes to the log, never to the client.
+    The relayed endpoints have always given it code 500, Starlette's routes a null ``code``."""
+    err = GatewayError(INTERNAL_MESSAGE)
+    err.code = code
+    return err
+
+
+def error_json(err: GatewayError) -> bytes:
+    """The body of ``err``'s answer on the relayed paths (``json.dumps``' default spacing)."""
+    return json.dumps(err.body()).encode()
+
+
+def error_messages(
+    err: GatewayError,
+    request_id: str | None = None,
+    extra: list[tuple[bytes, bytes]] | tuple[()] = (),
+) -> tuple[Message, Message]:
+    """``err`` as the two ASGI messages of a whole answer; ``extra`` is the request's
+    ``Call.extra_headers`` (its key's rate-limit headers)."""
+    body = error_json(err)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for k, v in err.headers.items():
+        headers.append((k.encode(), v.encode()))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    headers += extra
+    return (
+        {"type": "http.response.start", "status": err.status, "headers": headers},
+        {"type": "http.response.body", "body": body, "more_body": False},
+    )
+
+
+async def send_error(
+    send: Send,
+    err: GatewayError,
+    request_id: str | None = None,
+    extra: list[tuple[bytes, bytes]] | tuple[()] = (),
+) -> None:
+    """Answer with ``err`` over ASGI (the relayed paths, and auth in front of Starlette)."""
+    start, body = error_messages(err, request_id, extra)
+    await send(start)
+    await send(body)
+
+
+def error_response(err: GatewayError) -> JSONResponse:
+    """``err`` as a Starlette response (models, admin, and Starlette's own 404 / 405 / 500):
+    Starlette's compact JSON, with ``err``'s headers."""
+    return JSONResponse(err.body(), err.status, headers=err.headers)
+
+
+def sse_error_event(err: GatewayError) -> bytes:
+    """``err`` as the last events of a stream that already started: an OpenAI-shaped error
+    event, then ``[DONE]``, as vLLM ends a failed stream."""
+    return b"data: " + error_json(err) + b"\n\ndata: [DONE]\n\n"

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.app import GatewayApp
 from proxy.config import ServerConfig
+from proxy.edge.routes import GatewayApp
 from proxy.edge.serve import (
     BODY,
     HEAD,

@@ -15,7 +15,7 @@ import pytest
 from loadtest.bench_stall import Sent, analyse, closed_loop
 from loadtest.sim.server import Sim, run_sim
 from loadtest.stats import OK
-from proxy.app import GatewayApp
+from proxy.edge.routes import GatewayApp
 from proxy.fleet.fleet import EjectReason, Replica, ReplicaState
 
 from .gateway import policy_for, running_gateway

@@ -7,11 +7,15 @@ import json
 import logging
 
 import httpx
+import pytest
+from proxy.routing.classify import Profile
 
 from loadtest.fake_upstream import running
 from proxy.config import build_policy
 from proxy.observe.accesslog import record_of, write_line
+from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
+from proxy.observe.record import Recorder
 from proxy.relay.call import Call
 
 from .gateway import policy_for, running_gateway
@@ -110,3 +114,60 @@ async def test_a_scrape_counts_every_request_that_ended_before_it() -> None:
                 text = (await client.get(url + "/metrics")).text
     line = next(ln for ln in text.splitlines() if ln.startswith("tokenlane_requests_total{"))
     assert line.endswith(" 3.0")
+
+
+class Lessons:
+    def __init__(self) -> None:
+        self.seen: list[tuple[Profile, int]] = []
+
+    def observe(self, profile: Profile, reported_prompt_tokens: int) -> None:
+        self.seen.append((profile, reported_prompt_tokens))
+
+
+PROFILE = Profile(
+    kind="chat",
+    model="m",
+    stream=True,
+    prompt_chars=40,
+    prompt_tokens_est=10,
+    output_tokens=None,
+    n=1,
+    images=0,
+    prompt_head="",
+)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "estimated", "reported", "lessons"),
+    [
+        pytest.param({}, None, None, 0, id="never-reached-a-pool"),
+        pytest.param({"pool": "p"}, None, None, 0, id="no-profile"),
+        pytest.param({"pool": "p", "profile": PROFILE}, 10.0, None, 0, id="no-usage"),
+        pytest.param(
+            {"pool": "p", "profile": PROFILE, "usage": {"prompt_tokens": 0}},
+            10.0,
+            None,
+            0,
+            id="usage-of-zero",
+        ),
+        pytest.param(
+            {"pool": "p", "profile": PROFILE, "usage": {"prompt_tokens": 12}},
+            10.0,
+            12.0,
+            1,
+            id="usage-reported",
+        ),
+    ],
+)
+def test_a_recorded_call_counts_and_teaches_only_what_it_carries(
+    outcome: dict[str, object], estimated: float | None, reported: float | None, lessons: int
+) -> None:
+    metrics, learner = Metrics(), Lessons()
+    Recorder(metrics, learner)(a_call(status=200, **outcome), 0.5, 1.0)
+    sample = metrics.registry.get_sample_value
+    pool = str(outcome.get("pool") or "")
+    labels = {"lane": LANE.name, "pool": pool, "replica": "", "status": "200"}
+    assert sample("tokenlane_requests_total", labels) == 1.0
+    assert sample("tokenlane_prompt_tokens_estimated_total", {"pool": pool}) == estimated
+    assert sample("tokenlane_prompt_tokens_reported_total", {"pool": pool}) == reported
+    assert len(learner.seen) == lessons

@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from loadtest.fake_upstream import running
-from proxy import app as app_module
-from proxy.app import create_app
+from proxy import gateway as gateway_module
 from proxy.config import build_policy, load_policy
 from proxy.edge.serve import GatewayServer, uvicorn_config
 from proxy.fleet.discovery import Discovery, expand, expand_replica
+from proxy.gateway import create_app
 
 from .gateway import policy_for, wait_ready
 from .servers import bound_socket
@@ -135,7 +135,7 @@ async def test_restart_only_keys_are_reported_and_kept(tmp_path: Path) -> None:
 
 
 async def test_sighup_reloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_module, "POLICY_POLL_S", 3600.0)  # only the signal can do it
+    monkeypatch.setattr(gateway_module, "POLICY_POLL_S", 3600.0)  # only the signal can do it
     async with running(tokens=2) as a, running(tokens=2) as b:
         path = tmp_path / "policy.yaml"
         write_atomically(path, two_pool_policy(a.url, b.url, "a"))

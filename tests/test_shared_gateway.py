@@ -23,7 +23,7 @@ from loadtest.client import LoadClient
 from loadtest.sim.server import Sim, run_sim
 from loadtest.sim.settings import SimSettings
 from loadtest.stats import OK, RequestResult
-from proxy.app import GatewayApp
+from proxy.edge.routes import GatewayApp
 from proxy.fleet.fleet import EjectReason, Replica, ReplicaState
 
 from .gateway import gateway_process, policy_for, running_gateway

@@ -21,9 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from proxy.config import Policy, PolicyError
-from proxy.errors import BadRequest, GatewayError, NotFound, Unauthorized, error_body
-from proxy.fleet.fleet import AmbiguousReplica, Fleet, Replica, UnknownReplica
+from proxy.config import Policy
+from proxy.errors import (
+    AmbiguousReplica,
+    BadRequest,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    PolicyError,
+    PolicyRefused,
+    Unauthorized,
+    UnknownReplica,
+    error_response,
+)
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 
 
@@ -35,11 +46,6 @@ class AdminGateway(Protocol):
     needs_restart: list[str]
 
     async def reload(self) -> int: ...
-
-
-class Forbidden(GatewayError):
-    status = 403
-    type = "PermissionDeniedError"
 
 
 def is_loopback(host: str | None) -> bool:
@@ -165,10 +171,6 @@ def parse_action(action: str, raw: bytes) -> tuple[str, str | None, bool]:
     return url, pool, force
 
 
-def _error(err: GatewayError) -> JSONResponse:
-    return JSONResponse(err.body(), err.status, headers=err.headers)
-
-
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -181,7 +183,7 @@ def admin_routes(gateway: AdminGateway) -> list[Route]:
                 check_auth(request.headers.get("authorization"), client, token)
                 return await handler(request)
             except GatewayError as err:
-                return _error(err)
+                return error_response(err)
 
         return endpoint
 
@@ -204,11 +206,7 @@ def admin_routes(gateway: AdminGateway) -> list[Route]:
         try:
             version = await gateway.reload()
         except PolicyError as exc:
-            body: dict[str, Any] = error_body(
-                "the new policy is invalid; the old one stays", "UnprocessableEntityError", code=422
-            )
-            body["problems"] = list(exc.problems)
-            return JSONResponse(body, 422)
+            raise PolicyRefused(exc.problems) from None
         return JSONResponse({"version": version, "needs_restart": list(gateway.needs_restart)})
 
     # gateway.fleet is looked up per call: a reload may replace it.
@@ -231,3 +229,6 @@ def admin_routes(gateway: AdminGateway) -> list[Route]:
         ),
         Route("/admin/reload", guarded(reload), methods=["POST"]),
     ]
+
+
+__all__ = ["AdminGateway", "Forbidden", "admin_routes", "check_auth", "is_loopback", "parse_action"]

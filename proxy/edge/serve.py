@@ -27,7 +27,6 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from proxy.app import Gateway, configure_logging, create_app
 from proxy.config import Policy, ServerConfig
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
@@ -36,7 +35,9 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
+from proxy.edge.routes import configure_logging
 from proxy.errors import error_body
+from proxy.gateway import Gateway, create_app
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared

@@ -39,7 +39,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.config import HealthConfig, Policy, PoolConfig, ReplicaConfig
-from proxy.errors import FailureKind
+from proxy.errors import AmbiguousReplica, FailureKind, UnknownReplica
 from proxy.fleet import detect
 from proxy.fleet.detect import Progress
 from proxy.fleet.vllm import EngineSample
@@ -221,14 +221,6 @@ class Pool:
 def make_replica(pool: str, cfg: ReplicaConfig, environ: Mapping[str, str]) -> Replica:
     api_key = environ.get(cfg.api_key_env) if cfg.api_key_env else None
     return Replica(pool=pool, config=cfg, name=cfg.label, url=cfg.url, api_key=api_key)
-
-
-class UnknownReplica(LookupError):
-    """No replica has that URL (in that pool)."""
-
-
-class AmbiguousReplica(LookupError):
-    """The URL is in several pools and no pool was named."""
 
 
 class Fleet:

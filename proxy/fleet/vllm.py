@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.errors import ScrapeError
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
@@ -54,10 +56,6 @@ SERIES = {f: names + tuple(n.replace(":", "_", 1) for n in names) for f, names i
 MEAN_FIELDS = frozenset({"kv_cache_usage"})
 # The fields a scrape must carry to be of any use to the stall detector.
 REQUIRED_FIELDS = ("running", "prompt_tokens_total", "generation_tokens_total")
-
-
-class ScrapeError(ValueError):
-    """The body is not a vLLM metrics page (no ``vllm:`` series the detectors need)."""
 
 
 def _samples(text: str, name: str) -> list[float]:

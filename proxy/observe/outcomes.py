@@ -1,12 +1,12 @@
 """Recording what became of each request, off the request's path.
 
 A finished request is queued and recorded (metrics, the estimator's learning, the access-log
-line) within ``FLUSH_S``, together with every request that finished by then, or as soon as
-``MAX_QUEUED`` wait; ``/metrics`` flushes first, so a scrape sees every request that ended before
-it. Recorded on the spot, that work (tens of microseconds, most of it the access line) sat
-between a response and the next request on its connection: at concurrency 1 it was 0.1 ms of
-every request's latency. As Envoy flushes its file access log on an interval. A process killed
-outright loses at most the last ``FLUSH_S``.
+line: ``record.Recorder``) within ``FLUSH_S``, together with every request that finished by
+then, or as soon as ``MAX_QUEUED`` wait; ``/metrics`` flushes first, so a scrape sees every
+request that ended before it. Recorded on the spot, that work (tens of microseconds, most of
+it the access line) sat between a response and the next request on its connection: at
+concurrency 1 it was 0.1 ms of every request's latency. As Envoy flushes its file access log on
+an interval. A process killed outright loses at most the last ``FLUSH_S``.
 """
 
 from __future__ import annotations

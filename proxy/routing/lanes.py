@@ -14,11 +14,8 @@ from re import compile as re_compile
 from typing import Any
 
 from proxy.config import LaneConfig
+from proxy.errors import NoLaneMatched
 from proxy.routing.profile import Profile, output_tokens_for
-
-
-class NoLaneMatched(LookupError):
-    """No lane's `when` held. A validated policy cannot get here: its last lane has no `when`."""
 
 
 @dataclass(frozen=True, slots=True)

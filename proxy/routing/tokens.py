@@ -13,9 +13,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-
-class TokenizerError(ValueError):
-    """A ``tokenizer_file`` that cannot be read as a tokenizer."""
+from proxy.errors import TokenizerError
 
 
 class TokenCounter:

@@ -19,6 +19,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
+from proxy.errors import SharedUnavailable
+
+# Defined with every other exception in ``proxy.errors``; the state modules know it by this name.
+Unavailable = SharedUnavailable
+
 PROBE_S = 1.0  # while the breaker is open: one PING this often
 # What a Redis call may raise when Redis is slow, down or restarting; anything else is a bug.
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
@@ -70,10 +75,6 @@ class Breaker:
             self.closed = False
             return True
         return False
-
-
-class Unavailable(Exception):
-    """Redis did not answer in time, failed, or the breaker is open: use the local view."""
 
 
 def cancelling() -> bool:

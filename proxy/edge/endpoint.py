@@ -1,0 +1,284 @@
+"""The relayed endpoints: read, check and classify a request, hand it to the relay, observe it.
+
+They are plain ASGI handlers dispatched by path before Starlette (``routes.GatewayApp``): every
+chunk of every stream passes through them, and each middleware layer would add a wrapped
+``send`` per chunk. An endpoint gets the parts it uses through ``EndpointParts``, looked up per
+request (a reload swaps ``policy`` and ``max_prefix_chars``), and the client-key ``Guard``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import time
+from typing import Any, Protocol
+
+from starlette.types import Receive, Scope, Send
+
+from proxy.config import Policy
+from proxy.edge import validate
+from proxy.edge.asgi_ext import CLIENT_GONE, START_WITH_BODY
+from proxy.edge.auth import Guard
+from proxy.errors import (
+    ClientGone,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ShuttingDown,
+    internal_error,
+    send_error,
+)
+from proxy.fleet.fleet import Fleet
+from proxy.observe.outcomes import Outcomes
+from proxy.relay.call import Call
+from proxy.relay.relay import DROP_UPSTREAM, Relay
+from proxy.routing.estimate import Estimator
+from proxy.routing.lanes import match_lane
+from proxy.routing.profile import profile_request
+
+log = logging.getLogger("tokenlane")
+
+now = time.perf_counter
+
+# Relayed unchanged through the last lane.
+PASSTHROUGH_PATHS = (
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+    "/tokenize",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
+
+_ID_PREFIX = os.urandom(7).hex()
+_id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
+_NO_EXTENSIONS: dict[str, Any] = {}  # a server that advertises none (never written to)
+_REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+class EndpointParts(Protocol):
+    """What a relayed endpoint reads of the gateway (``proxy.gateway.Gateway`` has it all)."""
+
+    policy: Policy
+    fleet: Fleet
+    estimator: Estimator
+    max_prefix_chars: int
+    relay: Relay
+    outcomes: Outcomes
+    shutting_down: bool
+    active_requests: int  # the endpoint counts itself in and out (the drain waits on it)
+
+
+async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
+    """The whole request body, refused with 413 as soon as it passes ``limit``."""
+    if content_length is not None and content_length > limit:
+        raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def request_id_from(value: bytes | None) -> str:
+    """The client's ``X-Request-Id`` when it is sane, else a new one: 24 hex digits, a random
+    prefix drawn once per process and a counter (no system call per request)."""
+    if value and len(value) <= 128 and all(c in _REQUEST_ID_OK for c in value):
+        return value.decode()
+    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFF:010x}"
+
+
+def _client_gone(call: Call) -> None:
+    """The client left: cancel the request's task, which closes the upstream connection (vLLM
+    frees the KV blocks) and frees the replica's slot, or takes it out of its queue."""
+    if not call.finished and call.task is not None:
+        call.disconnected = True
+        call.task.cancel("client disconnected")
+
+
+async def _listen_for_disconnect(receive: Receive, call: Call) -> None:
+    # Under a server without the CLIENT_GONE extension: its send() silently does nothing once
+    # the client is gone, so the only way to learn of it is receive().
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            _client_gone(call)
+            return
+
+
+class RelayEndpoint:
+    """POST handler for one relayed path: parse, check, classify, relay, observe."""
+
+    def __init__(self, parts: EndpointParts, guard: Guard, path: str, kind: str) -> None:
+        self.gw = parts
+        self.guard = guard
+        self.path = path
+        self.kind = kind
+        self.check = {
+            "chat": validate.check_chat,
+            "completion": validate.check_completion,
+        }.get(kind)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received_at = now()
+        gw = self.gw
+        gw.active_requests += 1
+        request_id: str | None = None
+        call: Call | None = None
+        listener: asyncio.Task[None] | None = None
+        hook = None
+        try:
+            headers: list[tuple[bytes, bytes]] = []
+            content_length = None
+            rid = None
+            for k, v in scope["headers"]:
+                if k == b"x-request-id":
+                    rid = v
+                elif k == b"content-length":
+                    with contextlib.suppress(ValueError):
+                        content_length = int(v)
+                if k not in DROP_UPSTREAM:
+                    headers.append((k, v))
+            request_id = request_id_from(rid)
+            if gw.shutting_down:
+                raise ShuttingDown(
+                    "the gateway is shutting down; retry on another instance",
+                    status=503,
+                    reason="shutdown",
+                    retry_after_s=1.0,
+                )
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
+            guard = self.guard
+            key = guard.authenticate(scope["headers"]) if guard.enabled else None
+            raw = await read_body(receive, gw.policy.server.max_body_bytes, content_length)
+            # Taken after the body's awaits: a lane from a policy reloaded meanwhile would put
+            # its old limits back into admission.
+            policy = gw.policy
+            call = self._make_call(policy, raw, headers, request_id, received_at)
+            call.query = scope.get("query_string", b"")
+            if key is not None:
+                guard.charge(key, call, policy.estimate.chars_per_token)
+            call.task = asyncio.current_task()
+            ext = scope.get("extensions") or _NO_EXTENSIONS
+            hook = ext.get(CLIENT_GONE)
+            if hook is not None:
+                call.start_with_body = START_WITH_BODY in ext
+                hook.callback = functools.partial(_client_gone, call)
+            else:
+                listener = asyncio.create_task(_listen_for_disconnect(receive, call))
+            try:
+                await gw.relay.run(call, send)
+            finally:
+                call.finished = True
+        except GatewayError as err:
+            if call is not None:
+                call.status = err.status
+                call.error = err.message
+            if call is None:
+                await send_error(send, err, request_id)
+            elif not call.started:  # admitted, then failed: the key's limits still apply
+                await send_error(send, err, request_id, call.extra_headers)
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            if call is not None and call.disconnected:
+                call.status = 499  # nginx's "client closed request", for logs and metrics
+            else:
+                raise
+        except Exception:
+            log.exception("unexpected error in %s", self.path)
+            if call is not None:
+                call.status = 500
+            if call is None or not call.started:
+                await send_error(
+                    send,
+                    internal_error(),
+                    request_id,
+                    call.extra_headers if call is not None else (),
+                )
+        finally:
+            gw.active_requests -= 1
+            if listener is not None:
+                listener.cancel()
+            if hook is not None:
+                hook.callback = None  # the connection outlives the request: keep no Call alive
+            if call is not None:
+                # Recorded off this path, in a batch (``Outcomes``).
+                gw.outcomes.add(call, now() - call.received_at)
+
+    def _make_call(
+        self,
+        policy: Policy,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        request_id: str,
+        received_at: float,
+    ) -> Call:
+        gw = self.gw
+        profile = None
+        model = None
+        stream = False
+        wants_usage = False
+        if self.check is not None:
+            body = validate.parse_json_object(raw)
+            self.check(body)
+            model = body.get("model")
+            stream = validate.wants_stream(body)
+            wants_usage = stream and validate.wants_usage(body)
+            profile = profile_request(body, self.kind, gw.estimator, gw.max_prefix_chars)
+            lane = match_lane(profile, policy.lanes).lane
+        else:
+            lane = policy.lanes[-1]
+            if raw and validate.is_json_body(headers):
+                with contextlib.suppress(Exception):
+                    body = validate.parse_json_object(raw)
+                    m = body.get("model")
+                    model = m if isinstance(m, str) else None
+        # Until some replica has told its models, nobody can say a model is unknown: such a
+        # request waits for a replica like any other (and gets 503 when there is none).
+        fleet = gw.fleet
+        if (
+            model is not None
+            and not fleet.serves_model(model)
+            and any(r.models for r in fleet.replicas())
+        ):
+            raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
+        return Call(
+            request_id=request_id,
+            kind=self.kind,
+            path=self.path,
+            body=raw,
+            headers=headers,
+            stream=stream,
+            model=model,
+            lane=lane,
+            profile=profile,
+            wants_usage=wants_usage,
+            received_at=received_at,
+        )
+
+
+__all__ = [
+    "PASSTHROUGH_PATHS",
+    "EndpointParts",
+    "RelayEndpoint",
+    "read_body",
+    "request_id_from",
+]

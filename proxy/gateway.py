@@ -1,0 +1,227 @@
+"""The composition root: one gateway process's parts, built and wired once.
+
+``Gateway`` builds the parts (fleet, admission, shared state, the client-key guard, relay,
+health, outcomes), swaps in a new policy on reload or when discovery finds other addresses, and
+starts, stops and reports readiness. It handles no request itself: ``create_app`` puts the HTTP
+edge (``proxy.edge.routes.GatewayApp``) over it, and the edge reads the parts it needs through
+small protocols, never this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+
+from proxy.config import Policy, keep_restart_keys, load_policy, restart_changes
+from proxy.edge.auth import ClientKeys, Guard
+from proxy.edge.routes import GatewayApp
+from proxy.errors import PolicyError
+from proxy.fleet.discovery import Discovery, dns_hosts, expand
+from proxy.fleet.fleet import Fleet
+from proxy.fleet.health import HealthMonitor
+from proxy.observe.metrics import Metrics
+from proxy.observe.outcomes import Outcomes
+from proxy.observe.record import Recorder
+from proxy.relay.relay import Relay, make_client
+from proxy.routing.admission import Admission
+from proxy.routing.estimate import Estimator
+from proxy.state.shared import FleetView, shared_state_for
+
+log = logging.getLogger("tokenlane")
+
+POLICY_POLL_S = 1.0
+
+
+def _file_hash(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+    except OSError:
+        return None
+
+
+class Gateway:
+    """Everything one gateway process holds; shared by the handlers, health and admin."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        environ: Mapping[str, str] | None = None,
+        policy_path: str | None = None,
+    ) -> None:
+        self.declared = policy  # as written; `policy` is it with DNS replicas expanded
+        self.policy = policy
+        self.version = 1
+        self.policy_path = policy_path
+        self.needs_restart: list[str] = []
+        self.discovery = Discovery()
+        self._reload_lock = asyncio.Lock()
+        self._policy_hash: bytes | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        self.metrics = Metrics()
+        self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
+        self.estimator = Estimator.from_config(policy.estimate)
+        self.outcomes = Outcomes(Recorder(self.metrics, self.estimator))
+        self.admission = Admission(self.fleet, self.metrics, policy.lanes)
+        # In-process unless redis.url is set: then ejections, load and rate limits are shared
+        # with the other instances.
+        self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
+        self.guard = Guard(
+            ClientKeys.from_env(self.environ, policy.server.api_keys_env),
+            self.shared.rate_limiter(lambda: self.policy.rate_limits),
+            self.metrics,
+        )
+        self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
+        self.client = make_client(policy)
+        self.health_client = make_client(policy)
+        self.relay = Relay(
+            self.client,
+            admission=self.admission,
+            fleet=self.fleet,
+            metrics=self.metrics,
+            policy=lambda: self.policy,
+        )
+        self.health = HealthMonitor(
+            self.fleet, lambda: self.policy, self.health_client, self.metrics
+        )
+        self.active_requests = 0  # relayed requests being handled, queued ones included
+        self.shutting_down = False
+        for replica in self.fleet.replicas():
+            self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
+        self.metrics.sync(policy.lanes, self.fleet.replicas())
+        for pool in policy.pools:
+            self.metrics.panic.labels(pool).set(0)
+
+    # -- policy changes: reload and discovery -----------------------------------------------
+
+    async def reload(self) -> int:
+        """Read the policy file again and swap it in whole, or keep the old one and raise
+        ``PolicyError`` saying why. Requests in flight finish with the policy they started
+        with; replicas that stay keep their health state and counters."""
+        async with self._reload_lock:
+            if self.policy_path is None:
+                raise PolicyError(["no policy file: this gateway was started from data"])
+            try:
+                new = load_policy(self.policy_path, environ=self.environ)
+            except PolicyError as exc:
+                self.metrics.reloads.labels("invalid").inc()
+                log.warning(
+                    "policy reload refused, keeping version %d: %s",
+                    self.version,
+                    "; ".join(exc.problems),
+                )
+                raise
+            self.needs_restart = restart_changes(self.declared, new)
+            self._swap(keep_restart_keys(self.declared, new))
+            self.version += 1
+            self._policy_hash = _file_hash(self.policy_path)
+            self.metrics.reloads.labels("ok").inc()
+            log.info(
+                "policy reloaded: version %d%s",
+                self.version,
+                f" (restart needed for {', '.join(self.needs_restart)})"
+                if self.needs_restart
+                else "",
+            )
+            return self.version
+
+    def _swap(self, declared: Policy) -> None:
+        self.declared = declared
+        effective = expand(declared, self.discovery.addresses)
+        self.policy = effective
+        if self.fleet.apply(effective):
+            self.health.replicas_changed()
+        self.estimator.configure(declared.estimate)
+        self.admission.set_lanes(declared.lanes)
+        self.admission.kick()  # new replicas or looser limits may serve waiters now
+        self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
+        self.metrics.sync(declared.lanes, self.fleet.replicas())
+        for pool in declared.pools:
+            self.metrics.series(self.metrics.panic, pool)
+
+    async def _watch_policy_file(self) -> None:
+        """Reload when the file's content changes. Polling the content (not mtime or inotify)
+        also catches editors that save by writing a new file and renaming it over the old."""
+        assert self.policy_path is not None
+        while True:
+            await asyncio.sleep(POLICY_POLL_S)
+            digest = _file_hash(self.policy_path)
+            if digest is None or digest == self._policy_hash:
+                continue
+            self._policy_hash = digest
+            with contextlib.suppress(PolicyError):
+                await self.reload()
+
+    async def _discover(self) -> None:
+        while True:
+            hosts = dns_hosts(self.declared)
+            if hosts and await self.discovery.refresh(hosts):
+                async with self._reload_lock:
+                    self._swap(self.declared)
+            await asyncio.sleep(self.policy.health.interval_s * 10)
+
+    async def reload_logged(self) -> None:
+        """A reload whose refusal is only logged (SIGHUP has no one to answer)."""
+        with contextlib.suppress(PolicyError):
+            await self.reload()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if dns_hosts(self.declared):
+            await self.discovery.refresh(dns_hosts(self.declared))
+            self._swap(self.declared)
+        # Before the first health round, so this instance starts from the shared states
+        # (bounded by redis.timeout_ms per call: a missing Redis delays nothing).
+        await self.shared.start(FleetView(self.fleet, self.shared))
+        await self.health.start()
+        self._tasks = [asyncio.create_task(self._discover())]
+        if self.policy_path is not None:
+            self._policy_hash = _file_hash(self.policy_path)
+            self._tasks.append(asyncio.create_task(self._watch_policy_file()))
+
+    async def stop(self) -> None:
+        try:
+            for task in self._tasks:
+                task.cancel()
+            await self.admission.close()
+            await self.health.stop()
+            await self.shared.stop()
+            await self.client.aclose()
+            await self.health_client.aclose()
+        finally:
+            self.outcomes.close()
+
+    def begin_shutdown(self) -> None:
+        """From now on ``/ready`` fails and new requests get 503: a drain has started."""
+        self.shutting_down = True
+
+    def ready(self) -> tuple[bool, list[str]]:
+        """Every lane has a healthy replica in its pool or its ``spill_to`` pool."""
+        if self.shutting_down:
+            return False, ["(shutting down)"]
+        missing = []
+        for lane in self.policy.lanes:
+            pools = [lane.pool] + ([lane.spill_to] if lane.spill_to else [])
+            if not any(self.fleet.pools[p].has_healthy() for p in pools):
+                missing.append(lane.name)
+        return not missing, missing
+
+
+def create_app(
+    policy: Policy,
+    *,
+    environ: Mapping[str, str] | None = None,
+    policy_path: str | None = None,
+) -> GatewayApp:
+    """A gateway and the ASGI app that serves it (``app.gateway`` holds the parts)."""
+    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path))
+
+
+__all__ = ["POLICY_POLL_S", "Gateway", "create_app"]
