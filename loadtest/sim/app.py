@@ -7,7 +7,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -22,10 +22,8 @@ from .faults import FaultError
 from .generate import Output
 from .generation import Generation
 from .metrics import CONTENT_TYPE
+from .replica import Sim
 from .scheduler import EngineRequest
-
-if TYPE_CHECKING:
-    from .server import Sim
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 
@@ -235,11 +233,7 @@ def build_routes(sim: Sim) -> ASGIApp:
         try:
             yield
         finally:
-            if sim._fault_timer is not None:
-                sim._fault_timer.cancel()
-            if sim.listener is not None:
-                sim.listener.unhang()
-            await sim.engine.stop()
+            await sim.close()
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),

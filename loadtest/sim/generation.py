@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from . import formats, protocol
 from .engine import EngineDead
+from .replica import Sim
 from .scheduler import EngineRequest
-
-if TYPE_CHECKING:
-    from .server import Sim
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
