@@ -47,9 +47,7 @@ def test_every_module_has_a_layer() -> None:
 
 @pytest.mark.parametrize("module", sorted(LAYERS))
 def test_imports_only_run_downwards(module: str) -> None:
-    upward = {
-        m for m in sim_imports(SIM / f"{module}.py") if LAYERS.get(m, 99) >= LAYERS[module]
-    }
+    upward = {m for m in sim_imports(SIM / f"{module}.py") if LAYERS.get(m, 99) >= LAYERS[module]}
     assert not upward, f"{module} imports {sorted(upward)} from its own layer or above"
 
 

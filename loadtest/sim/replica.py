@@ -144,7 +144,11 @@ class Sim:
         engine = self.engine
         name = fault.name
         if name == "stall":
-            engine.set_stalled(True)
+            after = fault.params.get("after_tokens")
+            if after is None:
+                engine.set_stalled(True)
+            else:
+                engine.stall_after = int(after)
         elif name == "slow":
             engine.slow_factor = float(fault.params["factor"])
         elif name == "engine_dead":
@@ -174,7 +178,7 @@ class Sim:
             return
         name = fault.name
         if name == "stall":
-            self.engine.set_stalled(False)
+            self.engine.set_stalled(False)  # also disarms a stall that has not begun
         elif name == "slow":
             self.engine.slow_factor = 1.0
         elif name == "engine_dead":
@@ -194,6 +198,13 @@ class Sim:
         if scheme.lower() != "bearer":
             return False
         return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._key_hash)
+
+    async def reset_connection(self, client: tuple[str, int] | None) -> bool:
+        """Reset (TCP RST) the connection of the client at ``client``, once what was written to
+        it has left; False if this replica does not own its socket."""
+        if self.listener is None or client is None:
+            return False
+        return await self.listener.reset(client)
 
     def error_rate_hit(self) -> int | None:
         """The status to fail this generation request with, under ``error_rate``."""

@@ -27,6 +27,7 @@ from .settings import SimSettings
 
 __all__ = ["ENGINE_DEAD_MESSAGE", "Sim", "bind_socket", "build_app", "run_sim", "start", "stop"]
 
+
 def build_app(settings: SimSettings | None = None) -> tuple[Sim, ASGIApp]:
     """A simulator's ASGI app to serve yourself (then ``refuse``, ``hang_accept`` and ``crash``
     are unavailable: they need the socket)."""
