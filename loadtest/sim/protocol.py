@@ -209,13 +209,8 @@ def _max_tokens(value: int | None, name: str) -> int | None:
     return value
 
 
-def parse_chat(
-    body: Any, models: Sequence[str], *, priority_enabled: bool = False
-) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise validation_error(
-            "", "model_attributes_type", "Input should be a valid dictionary", body
-        )
+def _messages(body: Mapping[str, Any]) -> list[Any]:
+    """A chat request's ``messages``, checked as vLLM's pydantic models check them."""
     if "messages" not in body:
         raise validation_error("messages", "missing", "Field required", body)
     messages = _get(body, "messages", "list")
@@ -233,6 +228,17 @@ def parse_chat(
             raise validation_error(
                 f"messages.{i}.tool_calls", "list_type", "Input should be a valid list", calls
             )
+    return messages
+
+
+def parse_chat(
+    body: Any, models: Sequence[str], *, priority_enabled: bool = False
+) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise validation_error(
+            "", "model_attributes_type", "Input should be a valid dictionary", body
+        )
+    messages = _messages(body)
     model, sampling = _common(body, models, priority_enabled)
     _get(body, "logprobs", "bool")
     _get(body, "top_logprobs", "int")
@@ -355,7 +361,7 @@ def tokenize(body: Any, models: Sequence[str], max_model_len: int) -> dict[str, 
     if model and model not in models:
         raise not_found_model(model)
     if "messages" in body:
-        messages = _get(body, "messages", "list") or []
+        messages = _messages(body)
         try:
             ids = tokenizer.chat_prompt_ids(
                 messages,
