@@ -204,3 +204,35 @@ def test_output_is_a_function_of_the_token_context() -> None:
         [{"role": "user", "content": "Something else entirely."}])))  # fmt: skip
     assert other.ids != full.ids
     assert _run(Output(8, max_tokens=300, prompt=prompt)).ids != full.ids  # the seed counts
+
+
+async def test_render_routes_give_the_prompt_ids_and_budget_generation_would_use(two, client):
+    a, _ = two
+    chat = {"messages": MESSAGES, "max_tokens": 9, "stream": True, "temperature": 0}
+    rendered = (await client.post(a.url + "/v1/chat/completions/render", json=chat)).json()
+    events = await _stream(client, a.url, "/v1/chat/completions",
+                           {**chat, "return_token_ids": True})  # fmt: skip
+    assert rendered["token_ids"] == events[0]["prompt_token_ids"]
+    assert rendered["request_id"].startswith("chatcmpl-")
+    assert rendered["sampling_params"]["max_tokens"] == 9
+    assert rendered["sampling_params"]["temperature"] == 0
+    assert (rendered["stream"], rendered["features"], rendered["priority"]) == (True, None, 0)
+    assert set(rendered) == {
+        "request_id", "token_ids", "features", "sampling_params", "model", "stream",
+        "stream_options", "cache_salt", "priority", "kv_transfer_params",
+    }  # fmt: skip
+    items = (
+        await client.post(a.url + "/v1/completions/render",
+                          json={"prompt": [[5, 6, 7], [8]], "max_tokens": None})
+    ).json()  # fmt: skip
+    assert [i["token_ids"] for i in items] == [[5, 6, 7], [8]]
+    assert items[0]["sampling_params"]["max_tokens"] == SETTINGS.max_model_len - 3
+    text = (await client.post(a.url + "/v1/completions/render", json={"prompt": "Hi there"})).json()
+    assert text[0]["token_ids"] == tokenizer.encode("Hi there")
+    assert text[0]["sampling_params"]["max_tokens"] == 16
+    too_long = await client.post(
+        a.url + "/v1/completions/render",
+        json={"prompt": [1] * 10, "max_tokens": SETTINGS.max_model_len},
+    )
+    assert too_long.status_code == 400
+    assert "maximum context length" in too_long.json()["error"]["message"]

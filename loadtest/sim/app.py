@@ -174,6 +174,26 @@ def build_routes(sim: Sim) -> ASGIApp:
         except protocol.ApiError as exc:
             return _error(exc)
 
+    priority = s.scheduling_policy == "priority"
+
+    async def render_chat(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            items = protocol.render(body, s.models, s.max_model_len, "chat",
+                                    priority_enabled=priority)  # fmt: skip
+        except protocol.ApiError as exc:
+            return _error(exc)
+        return JSONBody(items[0])
+
+    async def render_completion(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            items = protocol.render(body, s.models, s.max_model_len, "completion",
+                                    priority_enabled=priority)  # fmt: skip
+        except protocol.ApiError as exc:
+            return _error(exc)
+        return JSONBody(items)
+
     async def detokenize(request: Request) -> Response:
         try:
             return JSONBody(protocol.detokenize(await _json_body(request), s.models))
@@ -230,6 +250,8 @@ def build_routes(sim: Sim) -> ASGIApp:
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
+        Route("/v1/completions/render", render_completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

@@ -346,6 +346,51 @@ def effective_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len:
     return max_tokens
 
 
+_RENDERED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                      "frequency_penalty")  # fmt: skip
+
+
+def render(
+    body: Any, models: Sequence[str], max_model_len: int, kind: str, *, priority_enabled: bool
+) -> list[dict]:
+    """``POST /v1/chat/completions/render`` (``kind`` "chat": one item) and
+    ``/v1/completions/render`` (one per prompt): vLLM's ``GenerateRequest`` for each prompt,
+    its token ids and the output budget, validated exactly as the generation routes validate.
+
+    ``sampling_params`` carries the fields the simulator models (a subset of vLLM's
+    ``SamplingParams``); ``features`` is null (media parts are counted, not rendered)."""
+    parse = parse_chat if kind == "chat" else parse_completion
+    g = parse(body, models, priority_enabled=priority_enabled)
+    sp = g.sampling
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    items = []
+    for prompt in g.prompts:
+        limit = effective_max_tokens(len(prompt), sp.max_tokens, max_model_len)
+        params: dict[str, Any] = {
+            "n": sp.n,
+            "seed": sp.seed,
+            "stop": sp.stop,
+            "include_stop_str_in_output": sp.include_stop,
+            "max_tokens": limit,
+        }
+        params.update({k: body[k] for k in _RENDERED_SAMPLING if body.get(k) is not None})
+        items.append(
+            {
+                "request_id": prefix + uuid.uuid4().hex,
+                "token_ids": prompt,
+                "features": None,
+                "sampling_params": params,
+                "model": body.get("model"),
+                "stream": sp.stream,
+                "stream_options": body.get("stream_options") if sp.stream else None,
+                "cache_salt": body.get("cache_salt"),
+                "priority": sp.priority,
+                "kv_transfer_params": None,
+            }
+        )
+    return items
+
+
 def request_id(header: str | None) -> str:
     """vLLM names a request after the client's X-Request-Id when it sends one."""
     return header if header else uuid.uuid4().hex[:16]
