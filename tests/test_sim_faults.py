@@ -89,8 +89,9 @@ async def test_stall_freezes_streams_and_counters_but_not_health_until_lifted(cl
         assert (await client.get(s.url + "/health")).status_code == 200
         assert not late.done()
         await s.set_fault(None)
-        assert (await asyncio.wait_for(late, 5)).status_code == 200
-        await asyncio.wait_for(stream.task, 5)
+        # Generous bounds: a loaded machine streams 80 tokens slowly; only a hang fails.
+        assert (await asyncio.wait_for(late, 30)).status_code == 200
+        await asyncio.wait_for(stream.task, 30)
     assert stream.events[-1] == "[DONE]" and stream.status == 200
 
 

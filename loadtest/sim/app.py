@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -22,10 +21,8 @@ from .faults import FaultError
 from .generate import Output
 from .generation import Generation
 from .metrics import CONTENT_TYPE
+from .replica import Sim
 from .scheduler import EngineRequest
-
-if TYPE_CHECKING:
-    from .server import Sim
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
 
@@ -39,22 +36,17 @@ def _error(exc: protocol.ApiError) -> Response:
     return JSONBody(exc.body(), status_code=exc.status)
 
 
-_ERROR_TYPES = {
-    400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequestsError",
-    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}  # fmt: skip
-
-
 def _status_error(status: int, message: str) -> Response:
     """An error of any status in vLLM's shape (the ``error_rate`` fault)."""
-    err = protocol.ApiError(status, message, _ERROR_TYPES.get(status, "InternalServerError"))
+    err = protocol.ApiError(status, message, protocol.error_type(status))
     return JSONBody(err.body(), status_code=status)
 
 
-def _output_seed(base: int, request_seed: int | None, prompt: Sequence[int], index: int) -> int:
-    # Ints and tuples of ints hash alike in every process, so replicas agree on the answer.
-    return hash((base, request_seed or 0, hash(tuple(prompt)), index)) & 0xFFFF_FFFF_FFFF
+def _output_seed(base: int, request_seed: int | None, index: int) -> int:
+    # Ints and tuples of ints hash alike in every process, so replicas agree on the answer. The
+    # prompt is not in it: the output is a function of the whole token context (generate.py),
+    # so a request continued from prompt + generated ids goes on exactly where it was cut.
+    return hash((base, request_seed or 0, index)) & 0xFFFF_FFFF_FFFF
 
 
 class _Observe:
@@ -144,14 +136,12 @@ def build_routes(sim: Sim) -> ASGIApp:
         reqs: list[EngineRequest] = []
         for p_index, (prompt, limit) in enumerate(zip(g.prompts, limits, strict=True)):
             for i in range(sp.n):
-                seed = _output_seed(s.seed, sp.seed, prompt, i)
+                seed = _output_seed(s.seed, sp.seed, i)
                 natural = None
                 if sp.max_tokens is None:
-                    natural = random.Random(seed ^ 0x5EED).randint(
-                        s.natural_len_min, s.natural_len_max
-                    )
-                out = Output(seed, max_tokens=limit, natural_len=natural, stop=sp.stop,
-                             include_stop=sp.include_stop)  # fmt: skip
+                    natural = (s.natural_len_min, s.natural_len_max)
+                out = Output(seed, max_tokens=limit, prompt=prompt, natural_range=natural,
+                             stop=sp.stop, include_stop=sp.include_stop)  # fmt: skip
                 reqs.append(EngineRequest(
                     id=f"{rid}-{p_index * sp.n + i}", prompt=prompt, output=out,
                     priority=sp.priority, arrival=now, max_tokens=limit, params_n=sp.n,
@@ -183,6 +173,26 @@ def build_routes(sim: Sim) -> ASGIApp:
             return JSONBody(protocol.tokenize(await _json_body(request), s.models, s.max_model_len))
         except protocol.ApiError as exc:
             return _error(exc)
+
+    priority = s.scheduling_policy == "priority"
+
+    async def render_chat(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            items = protocol.render(body, s.models, s.max_model_len, "chat",
+                                    priority_enabled=priority)  # fmt: skip
+        except protocol.ApiError as exc:
+            return _error(exc)
+        return JSONBody(items[0])
+
+    async def render_completion(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            items = protocol.render(body, s.models, s.max_model_len, "completion",
+                                    priority_enabled=priority)  # fmt: skip
+        except protocol.ApiError as exc:
+            return _error(exc)
+        return JSONBody(items)
 
     async def detokenize(request: Request) -> Response:
         try:
@@ -235,15 +245,13 @@ def build_routes(sim: Sim) -> ASGIApp:
         try:
             yield
         finally:
-            if sim._fault_timer is not None:
-                sim._fault_timer.cancel()
-            if sim.listener is not None:
-                sim.listener.unhang()
-            await sim.engine.stop()
+            await sim.close()
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
+        Route("/v1/completions/render", render_completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

@@ -26,7 +26,9 @@ from typing import Any
 
 from . import faults
 from .faults import Fault, FaultError
-from .server import Sim, bind_socket, start
+from .listener import bind_socket
+from .replica import Sim
+from .server import start
 from .settings import DEFAULT_MODEL, SettingsError, SimSettings, validated
 
 CRASH_EXIT = 70

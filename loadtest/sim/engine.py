@@ -2,8 +2,11 @@
 
 The loop sleeps each step's duration (times the ``slow`` factor) on absolute deadlines, so sleep
 overshoot does not accumulate, and never busy-waits: with nothing to do it waits for a request.
-A stall freezes it with its requests; a request arriving meanwhile is parked where the engine
-cannot see it. The HTTP side of each request is woken when it gets tokens.
+A stall freezes it with its requests, as vLLM #37729's deadlocked engine core: nothing is
+processed, not even aborts (a client that leaves during the stall keeps its slot and blocks until
+the stall lifts), so running, waiting and every counter stay as they were. A request arriving
+meanwhile is parked where the engine cannot see it. The HTTP side of each request is woken when
+it gets tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class Engine:
         self.slow_factor = 1.0
         self.dead: str | None = None  # the error message while the engine is dead
         self.stalled = False
+        # A stall armed to begin when some request is about to get a token past this many.
+        self.stall_after: int | None = None
+        self._deferred_aborts: list[EngineRequest] = []  # aborts that arrived during a stall
         self.completed = 0  # requests finished with stop or length
         self.aborted = 0
         self._parked: list[EngineRequest] = []  # arrived during a stall: never seen
@@ -103,10 +109,19 @@ class Engine:
         self._wake.set()
 
     def abort(self, req: EngineRequest) -> None:
-        """The client went away: free the request's slot and blocks at once."""
+        """The client went away: free the request's slot and blocks at once, unless the engine
+        is stalled: a deadlocked engine core processes no aborts, so they wait for the lift."""
         self._in_transit.discard(req)
         if req in self._parked:
             self._parked.remove(req)
+            return
+        if self.stalled and req.state in ("waiting", "running"):
+            if req not in self._deferred_aborts:
+                self._deferred_aborts.append(req)
+            return
+        self._abort_now(req)
+
+    def _abort_now(self, req: EngineRequest) -> None:
         if self.scheduler.abort(req):
             self.aborted += 1
             req.finished_at = self.clock()
@@ -121,6 +136,10 @@ class Engine:
         if stalled:
             self._unstalled.clear()
             return
+        self.stall_after = None
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        for req in deferred:
+            self._abort_now(req)
         for req in self._parked:
             self.scheduler.add(req)
         self._parked.clear()
@@ -131,6 +150,7 @@ class Engine:
         """EngineCore died: every request in it fails; new ones are refused until revived."""
         self.dead = message
         victims = [*self.scheduler.drain(), *self._parked, *self._in_transit]
+        self._deferred_aborts.clear()
         self._parked.clear()
         self._in_transit.clear()
         now = self.clock()
@@ -173,6 +193,8 @@ class Engine:
             duration = sched.step_time(plan) * self.slow_factor
             deadline = max(deadline, self.clock() - MAX_CATCH_UP_S) + duration
             await asyncio.sleep(max(0.0, deadline - self.clock()))
+            if self.stall_after is not None and _reaches(plan, self.stall_after):
+                self.set_stalled(True)
             if self.stalled:  # a stall that begins mid-step holds back that step's tokens
                 await self._unstalled.wait()
                 deadline = self.clock()
@@ -188,3 +210,15 @@ class Engine:
             for req in result.produced:
                 if req.notify is not None:
                     req.notify()
+
+
+def _reaches(plan: StepPlan, after_tokens: int) -> bool:
+    """Whether this step would give some request a token past ``after_tokens``."""
+    for req, n in plan.items:
+        if (
+            req.state == "running"
+            and req.num_output >= after_tokens
+            and req.num_computed + n >= len(req.tokens)
+        ):
+            return True
+    return False

@@ -5,6 +5,13 @@ job (``server.py``); this module only decides what is valid.
 ``engine_dead`` is an extension beyond DESIGN's table: vLLM's EngineCore process dies. Running
 streams get the in-stream error event, plain requests in flight and new requests get HTTP 500,
 and ``/health`` answers 503 with an empty body, until the fault is lifted (a fresh engine).
+
+The ``cut_*`` faults end each stream once it has sent ``after_tokens`` tokens (of any choice),
+the ways a replica can fail mid-stream: ``cut_close`` ends the HTTP response without
+``[DONE]``, ``cut_reset`` resets the connection (TCP RST), ``cut_error`` sends vLLM's in-band
+error event and ``[DONE]``, ``cut_abort`` finishes with ``finish_reason: "abort"`` as vLLM does
+for a request aborted in the engine. ``stall`` with ``after_tokens`` freezes the engine when
+some request is about to get a token past that many.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 # name -> {parameter: (kind, default or REQUIRED, minimum, maximum)}
 REQUIRED = object()
 FAULTS: dict[str, dict[str, tuple[type, Any, float, float]]] = {
-    "stall": {},
+    "stall": {"after_tokens": (int, None, 0, math.inf)},
     "slow": {"factor": (float, REQUIRED, 0.0, math.inf)},
     "error_rate": {"rate": (float, REQUIRED, 0.0, 1.0), "status": (int, 500, 400, 599)},
     "health_fail": {"status": (int, 503, 100, 599)},
@@ -26,7 +33,13 @@ FAULTS: dict[str, dict[str, tuple[type, Any, float, float]]] = {
     "hang_accept": {},
     "crash": {},
     "engine_dead": {},
+    "cut_close": {"after_tokens": (int, REQUIRED, 0, math.inf)},
+    "cut_reset": {"after_tokens": (int, REQUIRED, 0, math.inf)},
+    "cut_error": {"after_tokens": (int, REQUIRED, 0, math.inf), "status": (int, 500, 400, 599)},
+    "cut_abort": {"after_tokens": (int, REQUIRED, 0, math.inf)},
 }
+# Faults that act on each stream at a token position (see Generation in generation.py).
+CUTS = frozenset({"cut_close", "cut_reset", "cut_error", "cut_abort"})
 # These make the port unreachable: over HTTP they need duration_s, the only way back.
 UNREACHABLE = frozenset({"refuse", "hang_accept", "crash"})
 
@@ -74,7 +87,8 @@ def parse(body: Any, *, require_duration: bool = True) -> Fault | None:
         if key not in body or body[key] is None:
             if default is REQUIRED:
                 raise FaultError(f"{name}: parameter {key!r} is required")
-            params[key] = default
+            if default is not None:  # an optional parameter without a default stays absent
+                params[key] = default
             continue
         params[key] = _number(f"{name}.{key}", body[key], kind, low, high)
     duration = body.get("duration_s")

@@ -26,7 +26,10 @@ def jtext(text: str) -> str:
 
 
 def compact(obj: Any) -> bytes:
-    return _DUMPS(obj).encode("utf-8")
+    try:
+        return _DUMPS(obj).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from the request: escape it, as \\udXXX
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 def usage(prompt: int, completion: int, *, details: bool) -> dict[str, Any]:
@@ -40,16 +43,29 @@ def usage(prompt: int, completion: int, *, details: bool) -> dict[str, Any]:
     return out
 
 
+def jids(ids: Sequence[int] | None) -> str:
+    """JSON of a token-id list, or null."""
+    return "null" if ids is None else "[" + ",".join(map(str, ids)) + "]"
+
+
 @dataclass
 class Choice:
     index: int
     text: str
     finish_reason: str | None
     stop_reason: str | None
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # completions, with return_token_ids
 
 
 def chat_response(
-    rid: str, created: int, model: str, fingerprint: str, choices: Sequence[Choice], u: dict
+    rid: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    choices: Sequence[Choice],
+    u: dict,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{rid}",
@@ -72,7 +88,7 @@ def chat_response(
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "token_ids": None,
+                "token_ids": c.token_ids,
             }
             for c in choices
         ],
@@ -80,7 +96,7 @@ def chat_response(
         "system_fingerprint": fingerprint,
         "usage": u,
         "prompt_logprobs": None,
-        "prompt_token_ids": None,
+        "prompt_token_ids": prompt_token_ids,
         "prompt_text": None,
         "kv_transfer_params": None,
     }
@@ -101,9 +117,9 @@ def completion_response(
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "token_ids": None,
+                "token_ids": c.token_ids,
                 "prompt_logprobs": None,
-                "prompt_token_ids": None,
+                "prompt_token_ids": c.prompt_token_ids,
             }
             for c in choices
         ],
@@ -136,8 +152,10 @@ class StreamFormat:
         *,
         include_usage: bool,
         continuous_usage: bool,
+        token_ids: bool = False,
     ) -> None:
         self.chat = kind == "chat"
+        self.token_ids = token_ids
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self._head = (
@@ -153,21 +171,35 @@ class StreamFormat:
             return ""
         return f',"usage":{_DUMPS(usage(prompt, completion, details=False))}'
 
-    def role(self, index: int, prompt: int) -> str:
+    def role(self, index: int, prompt: int, prompt_ids: Sequence[int] | None = None) -> str:
+        """A chat choice's first chunk; with ``return_token_ids`` it carries the prompt ids."""
+        pids = jids(prompt_ids if self.token_ids else None)
         return (
             f'{self._head}[{{"index":{index},"delta":{{"role":"assistant","content":""}},'
-            f'"logprobs":null,"finish_reason":null}}],"prompt_token_ids":null,'
+            f'"logprobs":null,"finish_reason":null}}],"prompt_token_ids":{pids},'
             f'"prompt_text":null{self._usage(prompt, 0)}}}\n\n'
         )
 
-    def token(self, index: int, text: str, prompt: int, completion: int) -> str:
+    def token(
+        self,
+        index: int,
+        text: str,
+        prompt: int,
+        completion: int,
+        ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> str:
+        """One token's chunk. ``ids``: the token ids it carries; ``prompt_ids``: a completion
+        choice's prompt ids, on its first chunk (both only with ``return_token_ids``)."""
+        tids = jids(ids if self.token_ids else None)
         if self.chat:
             choice = f'{{"index":{index},"delta":{{"content":{jtext(text)}}},"logprobs":null,'
-            choice += '"finish_reason":null,"token_ids":null}'
+            choice += f'"finish_reason":null,"token_ids":{tids}}}'
         else:
+            pids = jids(prompt_ids if self.token_ids else None)
             choice = f'{{"index":{index},"text":{jtext(text)},"logprobs":null,'
-            choice += '"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
-            choice += '"token_ids":null}'
+            choice += f'"finish_reason":null,"stop_reason":null,"prompt_token_ids":{pids},'
+            choice += f'"token_ids":{tids}}}'
         return f"{self._head}[{choice}]{self._usage(prompt, completion)}}}\n\n"
 
     def finish(
@@ -178,15 +210,19 @@ class StreamFormat:
         stop_reason: str | None,
         prompt: int,
         completion: int,
+        ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> str:
         stop = jtext(stop_reason) if stop_reason is not None else "null"
+        tids = jids(ids if self.token_ids else None)
         if self.chat:
             choice = f'{{"index":{index},"delta":{{"content":{jtext(text)}}},"logprobs":null,'
-            choice += f'"finish_reason":"{reason}","stop_reason":{stop},"token_ids":null}}'
+            choice += f'"finish_reason":"{reason}","stop_reason":{stop},"token_ids":{tids}}}'
         else:
+            pids = jids(prompt_ids if self.token_ids else None)
             choice = f'{{"index":{index},"text":{jtext(text)},"logprobs":null,'
-            choice += f'"finish_reason":"{reason}","stop_reason":{stop},"prompt_token_ids":null,'
-            choice += '"token_ids":null}'
+            choice += f'"finish_reason":"{reason}","stop_reason":{stop},"prompt_token_ids":{pids},'
+            choice += f'"token_ids":{tids}}}'
         # The fingerprint rides on the finishing chunk unless a usage chunk follows.
         fp = "" if self._include_usage else f',"system_fingerprint":{self._fingerprint}'
         return f"{self._head}[{choice}]{fp}{self._usage(prompt, completion)}}}\n\n"

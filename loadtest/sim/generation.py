@@ -4,23 +4,24 @@ Plain ASGI rather than Starlette's ``StreamingResponse``, because this is the si
 path: the request's task waits for the engine's wake-up and writes every token that is ready in
 one ``send``, straight to uvicorn; a watcher notices the client leaving and aborts the request
 in the engine at once (vLLM frees the KV blocks the same way).
+
+With ``return_token_ids`` every chunk carries its token ids (the prompt's on the first chunk),
+in vLLM's places. Under a ``cut_*`` fault a stream ends once some choice has sent
+``after_tokens`` tokens, the way that fault says (``faults.py``); plain responses are not cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import formats, protocol
+from . import faults, formats, protocol
 from .engine import EngineDead
+from .replica import Sim
 from .scheduler import EngineRequest
-
-if TYPE_CHECKING:
-    from .server import Sim
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -68,7 +69,7 @@ class Generation:
         watcher = asyncio.create_task(watch())
         try:
             if self.req.sampling.stream:
-                await self._stream(send, wake, gone)
+                await self._stream(scope, send, wake, gone)
             else:
                 await self._plain(send, wake, gone)
         finally:
@@ -96,59 +97,84 @@ class Generation:
             if all(r.done for r in self.reqs):
                 break
         g = self.req
+        ids_on = g.sampling.return_token_ids
         choices = []
         for i, r in enumerate(self.reqs):
             text = r.output.text
-            if g.sampling.echo and g.prompt_texts[self.prompt_of[i]] is not None:
-                text = g.prompt_texts[self.prompt_of[i]] + text  # type: ignore[operator]
-            choices.append(formats.Choice(i, text, r.finish_reason, r.output.stop_reason))
+            # With return_token_ids vLLM echoes the prompt as ids only (its prompt text is "").
+            echo = g.prompt_texts[self.prompt_of[i]] if g.sampling.echo and not ids_on else None
+            if echo is not None:
+                text = echo + text
+            choice = formats.Choice(i, text, r.finish_reason, r.output.stop_reason)
+            if ids_on:
+                choice.token_ids = list(r.output.ids)
+                if g.kind != "chat":
+                    choice.prompt_token_ids = list(r.prompt)
+            choices.append(choice)
         prompt, completion = self._usage_numbers()
         u = formats.usage(prompt, completion, details=True)
-        build = formats.chat_response if g.kind == "chat" else formats.completion_response
-        body = formats.compact(
-            build(self.rid, self.created, g.model, self.sim.fingerprint, choices, u)
-        )
+        fp = self.sim.fingerprint
+        if g.kind == "chat":
+            pids = list(self.reqs[0].prompt) if ids_on else None
+            data = formats.chat_response(self.rid, self.created, g.model, fp, choices, u, pids)
+        else:
+            data = formats.completion_response(self.rid, self.created, g.model, fp, choices, u)
+        body = formats.compact(data)
         await send({"type": "http.response.start", "status": 200, "headers": [
             *JSON_HEADERS, (b"content-length", str(len(body)).encode())]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})
 
-    async def _stream(self, send: Send, wake: asyncio.Event, gone: asyncio.Event) -> None:
+    def _cut_after(self) -> int | None:
+        """The token count at which the current ``cut_*`` fault ends this stream, if any."""
+        fault = self.sim.fault
+        if fault is None or fault.name not in faults.CUTS:
+            return None
+        return int(fault.params["after_tokens"])
+
+    async def _stream(
+        self, scope: Scope, send: Send, wake: asyncio.Event, gone: asyncio.Event
+    ) -> None:
         g = self.req
+        sp = g.sampling
         fmt = formats.StreamFormat(
             g.kind, self.rid, self.created, g.model, self.sim.fingerprint,
-            include_usage=g.sampling.include_usage, continuous_usage=g.sampling.continuous_usage,
+            include_usage=sp.include_usage, continuous_usage=sp.continuous_usage,
+            token_ids=sp.return_token_ids,
         )  # fmt: skip
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         sent = [0] * len(self.reqs)
-        echo_pending = g.sampling.echo
+        # Echo as text, unless token ids are returned (vLLM then echoes an empty prompt text).
+        echo_pending = sp.echo and not sp.return_token_ids
         role_sent = g.kind != "chat"
         while True:
-            await wake.wait()
-            wake.clear()
-            if gone.is_set():
-                self.sim.disconnects += 1
-                return
+            cut_after = self._cut_after()
             parts: list[str] = []
             for k, r in enumerate(self.reqs):
                 out = r.output
                 produced = len(out.ids)
+                if cut_after is not None:
+                    produced = min(produced, cut_after)
                 if produced <= sent[k]:
                     continue
                 if not role_sent:
-                    # vLLM sends every choice's role chunk with the first token of any choice.
-                    prompt0 = self.prompt_lens[0]
-                    parts.extend(fmt.role(i, prompt0) for i in range(len(self.reqs)))
+                    parts.extend(self._roles(fmt))
                     role_sent = True
-                prompt = self.prompt_lens[self.prompt_of[k]]
+                p = self.prompt_of[k]
+                prompt = self.prompt_lens[p]
                 for t in range(sent[k], produced):
                     delta = out.deltas[t]
                     if echo_pending and t == 0:
-                        delta = (g.prompt_texts[self.prompt_of[k]] or "") + delta
-                    if t == produced - 1 and out.finished:
+                        delta = (g.prompt_texts[p] or "") + delta
+                    ids = out.ids[t : t + 1]
+                    # Completions put the prompt's ids on each choice's first chunk.
+                    pids = r.prompt if t == 0 else None
+                    if t == len(out.ids) - 1 and out.finished:
                         reason = out.finish_reason or "stop"
-                        parts.append(fmt.finish(k, delta, reason, out.stop_reason, prompt, t + 1))
+                        parts.append(
+                            fmt.finish(k, delta, reason, out.stop_reason, prompt, t + 1, ids, pids)
+                        )
                     else:
-                        parts.append(fmt.token(k, delta, prompt, t + 1))
+                        parts.append(fmt.token(k, delta, prompt, t + 1, ids, pids))
                 sent[k] = produced
             error = next((r.error for r in self.reqs if r.error), None)
             if error is not None:
@@ -156,12 +182,57 @@ class Generation:
                 parts.append(formats.DONE)
                 await send({"type": "http.response.body", "body": "".join(parts).encode()})
                 return
-            if all(r.done for r in self.reqs):
-                if g.sampling.include_usage:
+            complete = all(r.done and sent[k] == len(r.output.ids) for k, r in enumerate(self.reqs))
+            if complete:
+                if sp.include_usage:
                     parts.append(fmt.usage_chunk(*self._usage_numbers()))
                 parts.append(formats.DONE)
                 await send({"type": "http.response.body", "body": "".join(parts).encode()})
                 return
+            if cut_after is not None and any(n >= cut_after for n in sent):
+                if not role_sent:
+                    parts.extend(self._roles(fmt))
+                await self._cut(scope, send, fmt, parts, sent)
+                return
             if parts:
                 body = "".join(parts).encode()
                 await send({"type": "http.response.body", "body": body, "more_body": True})
+            await wake.wait()
+            wake.clear()
+            if gone.is_set():
+                self.sim.disconnects += 1
+                return
+
+    def _roles(self, fmt: formats.StreamFormat) -> list[str]:
+        # vLLM sends every choice's role chunk with the first output of any choice.
+        prompt0 = self.prompt_lens[0]
+        return [fmt.role(i, prompt0, self.reqs[i].prompt) for i in range(len(self.reqs))]
+
+    async def _cut(
+        self, scope: Scope, send: Send, fmt: formats.StreamFormat, parts: list[str], sent: list[int]
+    ) -> None:
+        """End the stream the way the ``cut_*`` fault says, after the chunks in ``parts``."""
+        fault = self.sim.fault
+        name = fault.name if fault is not None else "cut_close"
+        if name == "cut_error":
+            status = int(fault.params["status"]) if fault is not None else 500
+            message = f"Simulated fault: cut_error (status {status})"
+            parts.append(formats.stream_error_event(message, protocol.error_type(status), status))
+            parts.append(formats.DONE)
+        elif name == "cut_abort":
+            for k, r in enumerate(self.reqs):
+                if not (r.output.finished and sent[k] == len(r.output.ids)):
+                    prompt = self.prompt_lens[self.prompt_of[k]]
+                    parts.append(fmt.finish(k, "", "abort", None, prompt, sent[k], ()))
+            if self.req.sampling.include_usage:
+                completion = sum(sent)
+                parts.append(fmt.usage_chunk(sum(self.prompt_lens), completion))
+            parts.append(formats.DONE)
+        if name == "cut_reset":
+            if parts:
+                body = "".join(parts).encode()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            if await self.sim.reset_connection(scope.get("client")):
+                return
+            parts = []  # no socket of our own to reset: end the response instead
+        await send({"type": "http.response.body", "body": "".join(parts).encode()})

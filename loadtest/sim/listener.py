@@ -9,8 +9,11 @@ already in flight finish. Lifting reopens uvicorn's listener on the same port.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import socket
+import struct
+import termios
 from collections.abc import Callable
 
 import uvicorn
@@ -26,6 +29,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def _unacked(sock: socket.socket) -> int:
+    """Bytes the kernel still holds for ``sock`` (sent but not acknowledged); 0 if unknown."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", raw)[0])
 
 
 class _BlackHole(asyncio.Protocol):
@@ -68,6 +80,30 @@ class Listener:
             transport = getattr(conn, "transport", None)
             if transport is not None:
                 transport.abort()
+
+    async def reset(self, peer: tuple[str, int], flush_timeout_s: float = 1.0) -> bool:
+        """Reset the connection from ``peer`` (host, port) with a TCP RST, after the bytes
+        already written have been acknowledged (an RST discards what is still queued)."""
+        for conn in list(self.server.server_state.connections):
+            transport = getattr(conn, "transport", None)
+            if transport is None or transport.is_closing():
+                continue
+            name = transport.get_extra_info("peername")
+            if name is None or tuple(name[:2]) != tuple(peer[:2]):
+                continue
+            sock = transport.get_extra_info("socket")
+            loop = asyncio.get_running_loop()
+            until = loop.time() + flush_timeout_s
+            # The kernel signals no event when the peer acknowledges: poll its queue.
+            while loop.time() < until and (  # noqa: ASYNC110
+                transport.get_write_buffer_size() > 0 or (sock is not None and _unacked(sock))
+            ):
+                await asyncio.sleep(0.002)
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+            return True
+        return False
 
     async def open(self) -> None:
         config = self.server.config

@@ -45,6 +45,18 @@ class ApiError(Exception):
         }
 
 
+_ERROR_TYPES = {
+    400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequestsError",
+    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}  # fmt: skip
+
+
+def error_type(status: int) -> str:
+    """vLLM's error ``type`` for an HTTP status."""
+    return _ERROR_TYPES.get(status, "InternalServerError")
+
+
 def semantic_error(message: str, parameter: str, value: Any = None) -> ApiError:
     """``VLLMValidationError``: its text ends with the parameter and value."""
     suffix = f" (parameter={parameter}, value={value})" if value is not None else ""
@@ -130,6 +142,7 @@ class Sampling:
     include_usage: bool = False
     continuous_usage: bool = False
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids
 
 
 @dataclass
@@ -185,6 +198,7 @@ def _common(
         stream=stream,
         include_usage=stream and include_usage,
         continuous_usage=stream and include_usage and continuous,
+        return_token_ids=bool(_get(body, "return_token_ids", "bool", False)),
     )
     return model or models[0], sampling
 
@@ -195,13 +209,8 @@ def _max_tokens(value: int | None, name: str) -> int | None:
     return value
 
 
-def parse_chat(
-    body: Any, models: Sequence[str], *, priority_enabled: bool = False
-) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise validation_error(
-            "", "model_attributes_type", "Input should be a valid dictionary", body
-        )
+def _messages(body: Mapping[str, Any]) -> list[Any]:
+    """A chat request's ``messages``, checked as vLLM's pydantic models check them."""
     if "messages" not in body:
         raise validation_error("messages", "missing", "Field required", body)
     messages = _get(body, "messages", "list")
@@ -214,6 +223,22 @@ def parse_chat(
             )
         if not isinstance(message.get("role"), str):
             raise validation_error(f"messages.{i}.role", "missing", "Field required", message)
+        calls = message.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise validation_error(
+                f"messages.{i}.tool_calls", "list_type", "Input should be a valid list", calls
+            )
+    return messages
+
+
+def parse_chat(
+    body: Any, models: Sequence[str], *, priority_enabled: bool = False
+) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise validation_error(
+            "", "model_attributes_type", "Input should be a valid dictionary", body
+        )
+    messages = _messages(body)
     model, sampling = _common(body, models, priority_enabled)
     _get(body, "logprobs", "bool")
     _get(body, "top_logprobs", "int")
@@ -231,7 +256,15 @@ def parse_chat(
         )
     except tokenizer.TemplateError as exc:
         raise semantic_error(str(exc), "messages") from None
+    except UnicodeEncodeError as exc:
+        raise unencodable(exc) from None
     return GenerationRequest("chat", model, [prompt], [None], sampling)
+
+
+def unencodable(exc: UnicodeEncodeError) -> ApiError:
+    """Text the tokenizer cannot encode (a lone surrogate such as ``"\\ud800"`` in JSON): vLLM
+    turns the tokenizer's ``ValueError`` into a 400 with its message."""
+    return ApiError(400, str(exc), "BadRequestError")
 
 
 def parse_completion(
@@ -246,20 +279,10 @@ def parse_completion(
         raise semantic_error(
             "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
         )
-    prompts: list[list[int]] = []
-    texts: list[str | None] = []
-    if isinstance(prompt, str):
-        prompts, texts = [tokenizer.encode(prompt)], [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts, texts = [tokenizer.encode(p) for p in prompt], list(prompt)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        prompts, texts = [list(prompt)], [None]
-    elif isinstance(prompt, list) and all(
-        isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
-    ):
-        prompts, texts = [list(p) for p in prompt], [None] * len(prompt)
-    else:
-        raise validation_error("prompt", "string_type", "Input should be a valid string", prompt)
+    try:
+        prompts, texts = _completion_prompts(prompt)
+    except UnicodeEncodeError as exc:
+        raise unencodable(exc) from None
     for ids in prompts:
         if not ids:
             raise semantic_error("The decoder prompt cannot be empty", "prompt")
@@ -273,10 +296,26 @@ def parse_completion(
     model, sampling = _common(body, models, priority_enabled)
     _get(body, "logprobs", "int")
     sampling.echo = bool(_get(body, "echo", "bool", False))
-    sampling.max_tokens = _max_tokens(
-        _get(body, "max_tokens", "int", COMPLETION_DEFAULT_MAX_TOKENS), "max_tokens"
-    )
+    # Absent, max_tokens is 16; an explicit null lifts the limit (the context's rest in vLLM;
+    # here the answer ends naturally, as a model's does).
+    default = None if "max_tokens" in body else COMPLETION_DEFAULT_MAX_TOKENS
+    sampling.max_tokens = _max_tokens(_get(body, "max_tokens", "int", default), "max_tokens")
     return GenerationRequest("completion", model, prompts, texts, sampling)
+
+
+def _completion_prompts(prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+    """A completions ``prompt`` (text, texts, token ids or lists of token ids) as token ids."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)], [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt], list(prompt)
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return [list(prompt)], [None]
+    if isinstance(prompt, list) and all(
+        isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt
+    ):
+        return [list(p) for p in prompt], [None] * len(prompt)
+    raise validation_error("prompt", "string_type", "Input should be a valid string", prompt)
 
 
 def _is_int(value: Any) -> bool:
@@ -307,6 +346,51 @@ def effective_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len:
     return max_tokens
 
 
+_RENDERED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                      "frequency_penalty")  # fmt: skip
+
+
+def render(
+    body: Any, models: Sequence[str], max_model_len: int, kind: str, *, priority_enabled: bool
+) -> list[dict]:
+    """``POST /v1/chat/completions/render`` (``kind`` "chat": one item) and
+    ``/v1/completions/render`` (one per prompt): vLLM's ``GenerateRequest`` for each prompt,
+    its token ids and the output budget, validated exactly as the generation routes validate.
+
+    ``sampling_params`` carries the fields the simulator models (a subset of vLLM's
+    ``SamplingParams``); ``features`` is null (media parts are counted, not rendered)."""
+    parse = parse_chat if kind == "chat" else parse_completion
+    g = parse(body, models, priority_enabled=priority_enabled)
+    sp = g.sampling
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    items = []
+    for prompt in g.prompts:
+        limit = effective_max_tokens(len(prompt), sp.max_tokens, max_model_len)
+        params: dict[str, Any] = {
+            "n": sp.n,
+            "seed": sp.seed,
+            "stop": sp.stop,
+            "include_stop_str_in_output": sp.include_stop,
+            "max_tokens": limit,
+        }
+        params.update({k: body[k] for k in _RENDERED_SAMPLING if body.get(k) is not None})
+        items.append(
+            {
+                "request_id": prefix + uuid.uuid4().hex,
+                "token_ids": prompt,
+                "features": None,
+                "sampling_params": params,
+                "model": body.get("model"),
+                "stream": sp.stream,
+                "stream_options": body.get("stream_options") if sp.stream else None,
+                "cache_salt": body.get("cache_salt"),
+                "priority": sp.priority,
+                "kv_transfer_params": None,
+            }
+        )
+    return items
+
+
 def request_id(header: str | None) -> str:
     """vLLM names a request after the client's X-Request-Id when it sends one."""
     return header if header else uuid.uuid4().hex[:16]
@@ -322,7 +406,7 @@ def tokenize(body: Any, models: Sequence[str], max_model_len: int) -> dict[str, 
     if model and model not in models:
         raise not_found_model(model)
     if "messages" in body:
-        messages = _get(body, "messages", "list") or []
+        messages = _messages(body)
         try:
             ids = tokenizer.chat_prompt_ids(
                 messages,
@@ -331,8 +415,13 @@ def tokenize(body: Any, models: Sequence[str], max_model_len: int) -> dict[str, 
             )
         except tokenizer.TemplateError as exc:
             raise semantic_error(str(exc), "messages") from None
+        except UnicodeEncodeError as exc:
+            raise unencodable(exc) from None
     elif "prompt" in body:
-        ids = tokenizer.encode(_get(body, "prompt", "str", ""))
+        try:
+            ids = tokenizer.encode(_get(body, "prompt", "str", ""))
+        except UnicodeEncodeError as exc:
+            raise unencodable(exc) from None
     else:
         raise validation_error("prompt", "missing", "Field required", body)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}

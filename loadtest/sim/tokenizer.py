@@ -8,8 +8,11 @@ runs and whitespace runs; a short word is one token, a long word is cut into pie
 one token (as Qwen2.5 does). Plain English prose comes out near 4.3 characters per token,
 technical Markdown near 3.2.
 
-Ids are stable across processes (crc32 of the piece, folded into Qwen2.5's 151,643 regular ids),
-so the prefix cache sees the same blocks for the same text in every replica.
+Ids are stable across processes (crc32 of the piece, folded into Qwen2.5's regular ids above
+the 256 byte tokens), so the prefix cache sees the same blocks for the same text in every
+replica. A character outside the Basic Multilingual Plane (an emoji) has no token of its own: it
+is one byte token per UTF-8 byte (ids 0-255, as a byte-level BPE's fallback), so one character
+spans several ids and a decoder emits no text until its last byte arrives.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ _PIECE_RE = re.compile(
 
 @lru_cache(maxsize=1 << 16)
 def _piece_ids(piece: str) -> tuple[int, ...]:
+    if len(piece) == 1 and ord(piece) >= ASTRAL:
+        return tuple(piece.encode("utf-8"))
+    if not piece.isascii() and _ASTRAL_RE.search(piece):
+        return tuple(i for part in _split_astral(piece) for i in _piece_ids(part))
     if len(piece) <= WHOLE_WORD_MAX and (piece.isascii() or len(piece) <= NON_ASCII_PIECE):
         return (_id(piece),)
     size = LONG_PIECE if piece.isascii() else NON_ASCII_PIECE
@@ -61,10 +68,35 @@ def _piece_ids(piece: str) -> tuple[int, ...]:
 
 @lru_cache(maxsize=1 << 16)
 def _piece_texts(piece: str) -> tuple[str, ...]:
+    if len(piece) == 1 and ord(piece) >= ASTRAL:
+        return ("",) * (len(piece.encode("utf-8")) - 1) + (piece,)
+    if not piece.isascii() and _ASTRAL_RE.search(piece):
+        return tuple(t for part in _split_astral(piece) for t in _piece_texts(part))
     if len(piece) <= WHOLE_WORD_MAX and (piece.isascii() or len(piece) <= NON_ASCII_PIECE):
         return (piece,)
     size = LONG_PIECE if piece.isascii() else NON_ASCII_PIECE
     return tuple(piece[i : i + size] for i in range(0, len(piece), size))
+
+
+ASTRAL = 0x10000  # characters from here on are byte tokens
+NUM_BYTE_IDS = 256
+_ASTRAL_RE = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _split_astral(piece: str) -> list[str]:
+    """``piece`` cut so that each astral character stands alone (it becomes byte tokens)."""
+    if len(piece) == 1:
+        return [piece]
+    parts: list[str] = []
+    start = 0
+    for m in _ASTRAL_RE.finditer(piece):
+        if m.start() > start:
+            parts.append(piece[start : m.start()])
+        parts.append(m.group())
+        start = m.end()
+    if start < len(piece):
+        parts.append(piece[start:])
+    return parts
 
 
 _ID_TEXT: dict[int, str] = {}  # reverse map for /detokenize, filled as ids are minted
@@ -72,7 +104,9 @@ _ID_TEXT_MAX = 500_000
 
 
 def _id(text: str) -> int:
-    token_id = zlib.crc32(text.encode("utf-8")) % VOCAB_SIZE
+    # Byte tokens own ids 0-255; every other piece lands above them.
+    span = VOCAB_SIZE - NUM_BYTE_IDS
+    token_id = NUM_BYTE_IDS + zlib.crc32(text.encode("utf-8")) % span
     if len(_ID_TEXT) < _ID_TEXT_MAX:
         _ID_TEXT.setdefault(token_id, text)
     return token_id
@@ -109,13 +143,22 @@ def count(text: str) -> int:
 def decode(ids: Iterable[int], *, skip_special: bool = True) -> str:
     """Best-effort inverse of :func:`encode` for ids this process has minted."""
     out: list[str] = []
+    pending = bytearray()  # byte tokens decode together: one character spans several ids
     for token_id in ids:
+        if 0 <= token_id < NUM_BYTE_IDS:
+            pending.append(token_id)
+            continue
+        if pending:
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
         special = SPECIAL_IDS.get(token_id)
         if special is not None:
             if not skip_special:
                 out.append(special)
             continue
         out.append(_ID_TEXT.get(token_id, ""))
+    if pending:
+        out.append(pending.decode("utf-8", errors="replace"))
     return "".join(out)
 
 
