@@ -8,7 +8,7 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   composition  proxy.gateway (builds the parts, reload, start/stop)
   edge         the rest of proxy.edge (endpoint, routes, auth, admin)
   core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe
-  base         proxy.config, proxy.errors, proxy.routing.tokens
+  base         proxy.config, proxy.errors, proxy.routing.tokens, proxy.edge.asgi_ext
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("server", ("proxy.edge.serve",)),
     ("composition", ("proxy.gateway",)),
     ("edge", ("proxy.edge",)),
-    ("base", ("proxy.config", "proxy.errors", "proxy.routing.tokens", "proxy.version")),
+    # proxy.edge.asgi_ext is the vocabulary our server offers the app (extension names): the
+    # server and the relay both speak it, and it imports nothing.
+    (
+        "base",
+        ("proxy.config", "proxy.errors", "proxy.routing.tokens", "proxy.edge.asgi_ext"),
+    ),
     ("core", ("proxy.routing", "proxy.relay", "proxy.fleet", "proxy.state", "proxy.observe")),
 ]
 ORDER = ["commands", "server", "composition", "edge", "core", "base"]
