@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy.state.ratelimit_shared import Lease, LeasedRateLimiter
 
 from loadtest.fake_upstream import running
 from proxy.config import RateLimitsConfig
 from proxy.routing.ratelimit import LocalRateLimiter, RateLimiter
+from proxy.state.leases import Lease, LeasedRateLimiter
 
 from .gateway import policy_for, running_gateway
 
