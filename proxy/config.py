@@ -18,7 +18,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.routing.tokens import TokenizerError, load_counter
 
@@ -95,14 +102,49 @@ class ReplicaConfig(_Strict):
         return f"{parts.hostname}:{port}"
 
 
-Balance = Literal["least_loaded", "prefix_affinity", "round_robin"]
+Balance = Literal["cache_aware", "least_loaded", "prefix_affinity", "round_robin"]
+
+
+class CacheAwareConfig(_Strict):
+    """The ``cache_aware`` balance's knobs (``proxy/routing/cache_aware.py`` uses each)."""
+
+    # Tokens per index block; the block is this many times estimate.chars_per_token characters.
+    block_tokens: int = Field(64, ge=1)
+    # A replica's KV capacity in tokens when its /metrics does not report one
+    # (vllm:cache_config_info num_gpu_blocks x block_size).
+    kv_tokens: int = Field(1_000_000, ge=1)
+    # Share of that capacity the index may claim: running requests' own blocks take the rest.
+    kv_fraction: float = Field(0.9, gt=0, le=1)
+    # Weight of the prompt tokens a replica would have to prefill (not in its cache) against the
+    # prefill tokens already queued on it; above 1 favours keeping a prefix where it is.
+    miss_weight: float = Field(1.5, gt=0)
+    # Cost of one request in flight or waiting, in prefill tokens (decode steps slow a batch).
+    request_tokens: int = Field(64, ge=0)
 
 
 class PoolConfig(_Strict):
     balance: Balance = "least_loaded"
+    # The prompt head the balancer sees; cache_aware defaults to a longer one (below).
     prefix_chars: int = Field(1024, ge=1)
     bounded_load: float = Field(1.25, ge=1.0)
+    cache_aware: CacheAwareConfig = Field(default_factory=CacheAwareConfig)
     replicas: list[ReplicaConfig] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cache_aware_head(cls, data: Any) -> Any:
+        # cache_aware matches the whole prompt, not a fixed head: index up to 64 Ki characters
+        # (16 Ki tokens at 4 characters a token) unless the pool says otherwise.
+        if (
+            isinstance(data, dict)
+            and data.get("balance") == "cache_aware"
+            and "prefix_chars" not in data
+        ):
+            return {**data, "prefix_chars": CACHE_AWARE_PREFIX_CHARS}
+        return data
+
+
+CACHE_AWARE_PREFIX_CHARS = 65_536
 
 
 class LaneWhen(_Strict):
