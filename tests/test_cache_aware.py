@@ -260,3 +260,39 @@ def test_the_scrape_reads_the_kv_capacity_from_cache_config_info() -> None:
     assert parse_metrics(base).num_gpu_blocks == 0
     if fixture.exists():
         assert parse_metrics(fixture.read_text()).num_gpu_blocks == 383_948
+
+
+def test_explain_shows_the_match_per_candidate_and_why(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import yaml
+
+    from proxy.cli import main
+
+    policy = {
+        "pools": {
+            "p": {
+                "balance": "cache_aware",
+                "replicas": [
+                    {"url": "http://a:1", "name": "a"},
+                    {"url": "http://b:1", "name": "b"},
+                ],
+            }
+        },
+        "lanes": [{"name": "all", "pool": "p"}],
+    }
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text(yaml.safe_dump(policy))
+    system = {"role": "system", "content": "You answer questions about the sea. " * 80}
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"messages": [system, {"role": "user", "content": "why?"}]}))
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": [system, {"role": "user", "content": "how?"}]}))
+    assert main(["explain", "--config", str(cfg), str(req), "--after", str(first), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (ca,) = out["cache_aware"]
+    matched = {c["name"]: c["matched_tokens"] for c in ca["candidates"]}
+    # The earlier request's replica holds the shared system prompt; the other holds nothing.
+    assert sorted(matched.values())[0] == 0 and sorted(matched.values())[1] > 500
+    assert ca["winner"] == max(matched, key=matched.__getitem__)
+    assert ca["reason"] == "longest_match" and ca["winner"] in ca["why"]

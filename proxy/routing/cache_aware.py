@@ -242,3 +242,64 @@ def pick(
     m.series(m.replica_prefix_hits, pool, chosen.name).set(sample.prefix_cache_hits_total)
     m.series(m.replica_prefix_queries, pool, chosen.name).set(sample.prefix_cache_queries_total)
     return chosen
+
+
+# ---------------------------------------------------------------------------- explain
+
+
+@dataclass(eq=False)
+class _Probe:
+    """The part of a ``Call`` the router reads, for ``tokenlane explain``."""
+
+    request_id: str
+    profile: Any
+    ttft_s: float | None = None
+    finished: bool = False
+    prefix_match_tokens: int | None = None
+
+
+def explain(
+    policy: Any,
+    pool: str,
+    body: dict[str, Any],
+    kind: str,
+    earlier: Sequence[dict[str, Any]] = (),
+    chars_per_token: float | None = None,
+) -> dict[str, Any]:
+    """How a ``cache_aware`` pool would place ``body`` once ``earlier`` requests were placed.
+
+    No network: every replica idle, indexes sized from the policy, the earlier requests routed
+    (and answered) first, so the match lengths show what the pool would have learnt from them.
+    """
+    from proxy.fleet.fleet import Replica
+    from proxy.routing.classify import Estimator, max_prefix_chars, profile_request
+
+    ratio = policy.estimate.chars_per_token if chars_per_token is None else chars_per_token
+    estimator = Estimator(ratio, policy.estimate.image_tokens)
+    head = max_prefix_chars(policy)
+    cfg = policy.pools[pool]
+    replicas = []
+    for rc in cfg.replicas:
+        r = Replica(pool=pool, config=rc, name=rc.label, url=rc.url)
+        r.stats.stale = False
+        replicas.append(r)
+    router = CacheAwareRouter()
+    rng = random.Random(0)
+    for i, b in enumerate(earlier):
+        probe = _Probe(f"earlier-{i}", profile_request(b, kind, estimator, head))
+        router.pick(replicas, probe, cfg.cache_aware, ratio, rng)  # type: ignore[arg-type]
+        probe.finished = True
+    probe = _Probe("request", profile_request(body, kind, estimator, head))
+    picked = router.pick(replicas, probe, cfg.cache_aware, ratio, rng)  # type: ignore[arg-type]
+    assert picked is not None  # a pool has at least one replica
+    chosen, verdict = picked
+    return {
+        "pool": pool,
+        "winner": chosen.name,
+        "reason": verdict.reason,
+        "why": verdict.describe(),
+        "candidates": [
+            {"name": r.name, "matched_tokens": r.matched_tokens, "cost": round(r.cost, 1)}
+            for r in verdict.rows
+        ],
+    }
