@@ -86,10 +86,22 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.config}: estimate.tokenizer_file: {exc}", file=sys.stderr)
         return 1
     result = explain_request(policy, body, kind, args.chars_per_token, counter=counter)
+    lane = result["lane"]
+    for pool in (lane["pool"], lane["spill_to"]):
+        if pool is not None and policy.pools[pool].balance == "cache_aware":
+            from proxy.routing import cache_aware
+
+            earlier = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.after]
+            result.setdefault("cache_aware", []).append(
+                cache_aware.explain(policy, pool, body, kind, earlier, args.chars_per_token)
+            )
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         print(_render_explanation(result))
+        for ca in result.get("cache_aware", []):
+            rows = ", ".join(f"{c['name']} {c['matched_tokens']}" for c in ca["candidates"])
+            print(f"cache_aware {ca['pool']}: matched tokens {rows}; {ca['reason']}: {ca['why']}")
     return 0
 
 
@@ -175,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chars-per-token", type=float, default=None)
     p.add_argument("--kind", choices=["chat", "completion"], default=None)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="REQUEST",
+        help="cache_aware pools: route these request bodies first (repeatable)",
+    )
     p.set_defaults(func=_explain)
 
     p = sub.add_parser("demo", help="a simulated fleet and a gateway on this machine")

@@ -22,7 +22,14 @@ from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.errors import PolicyError, TokenizerError
 from proxy.routing.tokens import load_counter
@@ -169,18 +176,59 @@ class ReplicaConfig(_Strict):
         return f"{parts.hostname}:{port}"
 
 
-Balance = Literal["least_loaded", "prefix_affinity", "round_robin"]
+Balance = Literal["cache_aware", "least_loaded", "prefix_affinity", "round_robin"]
+
+
+class CacheAwareConfig(_Strict):
+    """The ``cache_aware`` balance's knobs (``proxy/routing/cache_aware.py`` uses each)."""
+
+    block_tokens: int = key(
+        64,
+        "Tokens per prefix-index block; a block is this many × `estimate.chars_per_token` "
+        "characters of the prompt.",
+        "tokens",
+        ge=1,
+    )
+    kv_tokens: int = key(
+        1_000_000,
+        "A replica's KV capacity when its /metrics does not report one "
+        "(`vllm:cache_config_info` num_gpu_blocks × block_size).",
+        "tokens",
+        ge=1,
+    )
+    kv_fraction: float = key(
+        0.9,
+        "Share of that capacity the index may claim (running requests' own blocks take the rest).",
+        None,
+        gt=0,
+        le=1,
+    )
+    miss_weight: float = key(
+        1.5,
+        "Weight of the prompt tokens a replica would prefill again against the prefill tokens "
+        "already queued on it; above 1 favours keeping a prefix where it is.",
+        None,
+        gt=0,
+    )
+    request_tokens: int = key(
+        64,
+        "Cost of one request in flight or waiting, in prefill tokens (decode steps slow a batch).",
+        "tokens",
+        ge=0,
+    )
 
 
 class PoolConfig(_Strict):
     """Replicas that serve the same model, and how requests are spread over them."""
 
     balance: Balance = key(
-        "least_loaded", "How a replica is picked: `least_loaded`, `prefix_affinity`, `round_robin`."
+        "least_loaded",
+        "How a replica is picked: `cache_aware`, `least_loaded`, `prefix_affinity`, `round_robin`.",
     )
     prefix_chars: int = key(
         1024,
-        "Characters of the rendered prompt's start that make the prefix-affinity key.",
+        "Characters of the rendered prompt's start the balancer sees (`cache_aware` pools "
+        "default to a 64 Ki-character head).",
         "characters",
         ge=1,
     )
@@ -190,7 +238,26 @@ class PoolConfig(_Strict):
         "× mean",
         ge=1.0,
     )
+    cache_aware: CacheAwareConfig = key(
+        CacheAwareConfig(), "The `cache_aware` balance's knobs (used only by such pools)."
+    )
     replicas: list[ReplicaConfig] = key(..., "The pool's replicas.", min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cache_aware_head(cls, data: Any) -> Any:
+        # cache_aware matches the whole prompt, not a fixed head: index up to 64 Ki characters
+        # (16 Ki tokens at 4 characters a token) unless the pool says otherwise.
+        if (
+            isinstance(data, dict)
+            and data.get("balance") == "cache_aware"
+            and "prefix_chars" not in data
+        ):
+            return {**data, "prefix_chars": CACHE_AWARE_PREFIX_CHARS}
+        return data
+
+
+CACHE_AWARE_PREFIX_CHARS = 65_536
 
 
 class LaneWhen(_Strict):

@@ -31,6 +31,8 @@ EXPECTED_V1 = EngineSample(
     generation_tokens_total=264678.0,
     prefix_cache_queries_total=1987508.0,
     prefix_cache_hits_total=383040.0,
+    num_gpu_blocks=383948.0,
+    block_size=16.0,
 )
 
 # vLLM before the V1 renames (fixtures README): same page, older names.

@@ -30,6 +30,9 @@ class EngineSample:
     generation_tokens_total: float = 0.0
     prefix_cache_queries_total: float = 0.0
     prefix_cache_hits_total: float = 0.0
+    # KV capacity from vllm:cache_config_info's labels (0 when not reported).
+    num_gpu_blocks: float = 0.0
+    block_size: float = 0.0
 
 
 # field -> names in order of preference: the V1 name first, then the name older vLLM used.
@@ -91,6 +94,29 @@ def _samples(text: str, name: str) -> list[float]:
     return out
 
 
+def _cache_config(text: str) -> dict[str, float]:
+    """``num_gpu_blocks`` and ``block_size`` from the labels of ``vllm:cache_config_info``."""
+    pos = text.find("\nvllm:cache_config_info{")
+    if pos == -1:
+        return {}
+    end = text.find("}", pos)
+    labels = text[pos : end if end != -1 else len(text)]
+    out: dict[str, float] = {}
+    for field in ("num_gpu_blocks", "block_size"):
+        # Preceded by '{' or ',': "hash_block_size" must not pass for "block_size".
+        at = labels.find(f'{{{field}="')
+        if at == -1:
+            at = labels.find(f',{field}="')
+        if at == -1:
+            continue
+        start = at + len(field) + 3
+        try:
+            out[field] = float(labels[start : labels.find('"', start)])
+        except ValueError:
+            pass  # "None" before the engine has sized its cache
+    return out
+
+
 def parse_metrics(text: str) -> EngineSample:
     """Read the engine series from a ``/metrics`` body (Prometheus text 0.0.4 or 1.0.0).
 
@@ -110,6 +136,7 @@ def parse_metrics(text: str) -> EngineSample:
                 else:
                     values[field] = sum(found)
                 break
+    values.update(_cache_config(text))
     missing = [f for f in REQUIRED_FIELDS if f not in values]
     if missing:
         raise ScrapeError(f"not a vLLM metrics page: no {', '.join(SERIES[f][0] for f in missing)}")

@@ -44,6 +44,8 @@ def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:
         "retries": call.retries,
         "error": call.error,
         "client_disconnected": call.disconnected or None,
+        # cache_aware pools only: the prompt tokens the chosen replica was judged to hold
+        "prefix_match_tokens": call.prefix_match_tokens,
     }
 
 

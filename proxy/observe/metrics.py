@@ -312,6 +312,46 @@ class Metrics:
         )
         for result in ("ok", "invalid"):  # both series exist from the start, at 0
             self.reloads.labels(result)
+        # -- cache_aware pools (proxy/routing/cache_aware.py) --
+        self.prefix_match = Histogram(
+            "tokenlane_prefix_match_tokens",
+            "cache_aware picks: prompt tokens the chosen replica was judged to hold cached.",
+            ["pool"],
+            buckets=(0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+            registry=r,
+        )
+        self.cache_aware_picks = Counter(
+            "tokenlane_cache_aware_picks",
+            "cache_aware picks by reason (longest_match, new_prefix, replicated).",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "tokenlane_prefix_index_blocks",
+            "Blocks in a replica's prefix index (cache_aware pools).",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.prefix_index_bytes = Gauge(
+            "tokenlane_prefix_index_bytes",
+            "Approximate memory of a pool's prefix indexes.",
+            ["pool"],
+            registry=r,
+        )
+        # The replicas' own vllm:prefix_cache_{hits,queries}_total as last scraped (cache_aware
+        # pools, refreshed at each pick): the hit rate per pool is the ratio of their rates.
+        self.replica_prefix_hits = Gauge(
+            "tokenlane_replica_prefix_cache_hits_tokens",
+            "The replica's vllm:prefix_cache_hits_total, as last scraped.",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.replica_prefix_queries = Gauge(
+            "tokenlane_replica_prefix_cache_queries_tokens",
+            "The replica's vllm:prefix_cache_queries_total, as last scraped.",
+            ["pool", "replica"],
+            registry=r,
+        )
 
     def series(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path records a handful of series

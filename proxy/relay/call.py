@@ -55,6 +55,8 @@ class Call:
     disconnected: bool = False
     tried: set[Replica] = field(default_factory=set)
     retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
+    # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
+    prefix_match_tokens: int | None = None
 
 
 class Attempt:

@@ -50,7 +50,7 @@ from proxy.relay.retry import (
     judge,
 )
 from proxy.relay.upstream import UpstreamClient, at_eof, make_client, timeout_extension
-from proxy.routing import balance
+from proxy.routing import balance, cache_aware
 from proxy.routing.admission import Admission
 from proxy.routing.profile import affinity_key
 
@@ -132,14 +132,17 @@ class Relay:
             cfg = pool.config
             if cfg.balance == "prefix_affinity" and call.profile is not None:
                 key = affinity_key(call.profile, cfg.prefix_chars)
-            choice = balance.pick(
-                cfg.balance,
-                cands,
-                key=key,
-                rng=self.rng,
-                rr_index=pool.rr_counter,
-                bounded_load=cfg.bounded_load,
-            )
+            if cfg.balance == "cache_aware":
+                choice = cache_aware.pick(self.gw, pool_name, cands, call, self.rng)
+            else:
+                choice = balance.pick(
+                    cfg.balance,
+                    cands,
+                    key=key,
+                    rng=self.rng,
+                    rr_index=pool.rr_counter,
+                    bounded_load=cfg.bounded_load,
+                )
             if not call.tried:  # round robin advances once per request, not per retry
                 pool.rr_counter += 1
             if choice is not None:

@@ -30,6 +30,9 @@ Strategies (DESIGN 5):
   Removing a replica moves only the keys it held; adding one moves about 1/n of the keys, all to
   the newcomer. Hashing is stable across processes (blake2b, never Python's salted ``hash()``):
   two gateway instances send the same prefix to the same replica.
+
+The fourth strategy, ``cache_aware``, keeps state (per-replica prefix indexes): it lives in
+``cache_aware.py`` and the relay calls it directly; ``pick`` here covers the stateless three.
 """
 
 from __future__ import annotations

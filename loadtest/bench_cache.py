@@ -1,0 +1,554 @@
+"""Routing for the prefix cache, side by side: Tokenlane's balances and vllm-router's.
+
+Four simulated replicas with a small KV pool (``--num-gpu-blocks 2200``, 35,200 tokens each) and
+a prefill cost of a mid-size model (0.2 ms per prompt token, so a 1,664-token miss takes ~0.33 s
+and a hit ~0.03 s), so that where a prompt lands decides its time to first token. Workloads, in
+the shape of inference-perf's ``shared_prefix`` (groups x prompts, system and question lengths):
+
+- ``shared_prefix``: 32 groups x 8 prompts, 1,536-token system prompts, 128-token questions,
+  64 tokens out, Poisson 8 req/s. The distinct prompt tokens (with outputs) fill ~70 % of the
+  four replicas' KV and ~2.8x one replica's: a balance must keep groups apart to hit;
+- ``one_group``: the same with one group for everything (256 prompts): every replica can hold
+  the prefix, and piling all of it on one replica is the failure to avoid;
+- ``small_groups``: 64 groups x 4 prompts with 128-token system prompts and 384-token
+  questions: little to gain from affinity, and it must cost nothing against least_loaded.
+
+Configurations: Tokenlane ``round_robin``, ``least_loaded``, ``prefix_affinity`` (defaults) and
+``cache_aware``; vllm-router (PyPI, installed by ``loadtest/peers.py`` into its own virtualenv)
+``cache_aware`` and ``round_robin``, or a line saying why not. The replicas run once per
+workload; every run salts its prompts so that no run hits what an earlier one cached (a stale
+block is evictable, so it costs the next run nothing). Hit rate comes from the replicas' own
+``vllm:prefix_cache_hits_total / queries_total``, deltas over the run.
+
+    python -m loadtest.bench_cache [--quick] [--workloads shared_prefix,...] [--reps 2]
+        [--json out.json] [--plot docs/cache_routing.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from loadtest import peers
+from loadtest.procs import free_port, process, wait_http
+from loadtest.prompts import words
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+REPLICAS = 4
+SIM_ARGS = ["--num-gpu-blocks", "2200", "--prefill-per-token-s", "0.0002"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    groups: int
+    per_group: int
+    system_tokens: int
+    question_tokens: int
+    output_tokens: int = 64
+    rate: float = 8.0
+
+
+WORKLOADS = {
+    "shared_prefix": Workload(32, 8, 1536, 128),
+    "one_group": Workload(1, 256, 1536, 128),
+    "small_groups": Workload(64, 4, 128, 384),
+}
+CONFIGS = [
+    ("tokenlane", "round_robin"),
+    ("tokenlane", "least_loaded"),
+    ("tokenlane", "prefix_affinity"),
+    ("tokenlane", "cache_aware"),
+    ("vllm-router", "cache_aware"),
+    ("vllm-router", "round_robin"),
+]
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    output_tokens: int = 0
+
+
+def requests_for(w: Workload, salt: str, seed: int) -> list[list[dict[str, str]]]:
+    """Chat messages of every request, in a random order (groups interleave, as users do)."""
+    out = []
+    for g in range(w.groups):
+        system = f"[{salt}/{g}] " + " ".join(words(w.system_tokens, random.Random(f"{seed}:{g}")))
+        for q in range(w.per_group):
+            rng = random.Random(f"{seed}:{g}:{q}")
+            out.append(
+                [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": " ".join(words(w.question_tokens, rng))},
+                ]
+            )
+    random.Random(seed).shuffle(out)
+    return out
+
+
+async def one(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], w: Workload, r: Result
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": w.output_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = None
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                r.errors += 1
+                await resp.read()
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and any(
+                    (c.get("delta") or {}).get("content") for c in chunk.get("choices") or []
+                ):
+                    first = time.perf_counter() - t0
+                usage = chunk.get("usage")
+                if usage:
+                    r.output_tokens += usage.get("completion_tokens", 0)
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        r.errors += 1
+        return
+    if first is None:
+        r.errors += 1
+    else:
+        r.ttft.append(first)
+
+
+async def drive(url: str, w: Workload, reqs: list[list[dict[str, str]]], seed: int) -> tuple:
+    rng = random.Random(seed)
+    r = Result()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.perf_counter()
+        tasks = []
+        for messages in reqs:  # Poisson arrivals: exponential gaps at the workload's rate
+            tasks.append(asyncio.create_task(one(http, url, messages, w, r)))
+            await asyncio.sleep(rng.expovariate(w.rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return r, wall
+
+
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    want = {
+        "hits": "vllm:prefix_cache_hits_total",
+        "queries": "vllm:prefix_cache_queries_total",
+        "requests": "vllm:request_success_total",
+    }
+    out = dict.fromkeys(want, 0.0)
+    for line in text.splitlines():
+        for key, name in want.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@contextlib.contextmanager
+def replicas(tmp: Path) -> Iterator[list[int]]:
+    ports = [free_port() for _ in range(REPLICAS)]
+    with contextlib.ExitStack() as stack:
+        for i, p in enumerate(ports):
+            argv = [sys.executable, "-m", "loadtest.sim", "--port", str(p), "--name", f"sim{i}"]
+            stack.enter_context(process(argv + SIM_ARGS, log=tmp / f"sim{i}.log"))
+        for p in ports:
+            wait_http(f"http://127.0.0.1:{p}/health")
+        yield ports
+
+
+@contextlib.contextmanager
+def gateway(kind: str, balance: str, ports: list[int], tmp: Path) -> Iterator[str]:
+    port = free_port()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    if kind == "tokenlane":
+        policy = {
+            "server": {"host": "127.0.0.1", "port": port},
+            "pools": {
+                "p": {
+                    "balance": balance,
+                    "replicas": [{"url": u, "max_in_flight": 256} for u in urls],
+                }
+            },
+            "lanes": [{"name": "all", "pool": "p"}],
+        }
+        path = tmp / f"policy-{balance}.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
+        ready = f"http://127.0.0.1:{port}/ready"
+    else:
+        exe = peers.ensure("vllm-router")
+        argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", balance]
+        argv += ["--worker-urls", *urls, "--prometheus-port", str(free_port())]
+        argv += ["--log-level", "warning"]
+        ready = f"http://127.0.0.1:{port}/health"
+    with process(argv, log=tmp / f"{kind}-{balance}.log"):
+        wait_http(ready, timeout_s=60)
+        if kind == "tokenlane":
+            # /ready once one replica is healthy: wait for all four to pass their canaries.
+            _wait_all_healthy(port)
+        yield f"http://127.0.0.1:{port}"
+
+
+def _wait_all_healthy(port: int, timeout_s: float = 60.0) -> None:
+    """Until the gateway's own metrics show every replica healthy (canaries passed)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+            healthy = sum(
+                1
+                for line in text.splitlines()
+                if line.startswith("tokenlane_replica_state{")
+                and 'state="healthy"' in line
+                and line.endswith(" 1.0")
+            )
+            if healthy >= REPLICAS:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"gateway :{port}: not all {REPLICAS} replicas healthy in {timeout_s:g}s")
+
+
+def run_one(
+    kind: str, balance: str, ports: list[int], w: Workload, salt: str, seed: int, tmp: Path
+) -> dict[str, Any]:
+    before = [scrape(p) for p in ports]
+    with gateway(kind, balance, ports, tmp) as url:
+        r, wall = asyncio.run(drive(url, w, requests_for(w, salt, seed), seed))
+    after = [scrape(p) for p in ports]
+    d = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    hits, queries = sum(x["hits"] for x in d), sum(x["queries"] for x in d)
+    per = [int(x["requests"]) for x in d]
+    t = sorted(r.ttft)
+
+    def q(p: float) -> float:
+        return t[min(len(t) - 1, int(p * len(t)))] * 1000 if t else float("nan")
+
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50_ms": q(0.50),
+        "ttft_p99_ms": q(0.99),
+        "ttft_mean_ms": statistics.fmean(t) * 1000 if t else float("nan"),
+        "output_tok_s": r.output_tokens / wall,
+        "per_replica": per,
+        "spread": max(per) / (sum(per) / len(per)) if sum(per) else 0.0,
+        "errors": r.errors,
+    }
+
+
+def mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in rows[0].items():
+        if isinstance(v, list):
+            out[k] = [round(statistics.fmean(r[k][i] for r in rows), 1) for i in range(len(v))]
+        else:
+            out[k] = statistics.fmean(r[k] for r in rows)
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for wl, rows in results.items():
+        lines.append(f"\n### {wl}\n")
+        lines.append(
+            "| configuration | hit rate | TTFT p50 / p99 / mean (ms) | output tok/s "
+            "| requests per replica (max/mean) | errors |"
+        )
+        lines.append("|---|---|---|---|---|---|")
+        for name, m in rows.items():
+            if "skipped" in m:
+                lines.append(f"| {name} | not run: {m['skipped']} | | | | |")
+                continue
+            lines.append(
+                f"| {name} | {m['hit_rate'] * 100:.0f} % | {m['ttft_p50_ms']:.0f} / "
+                f"{m['ttft_p99_ms']:.0f} / {m['ttft_mean_ms']:.0f} | {m['output_tok_s']:.0f} | "
+                f"{m['per_replica']} ({m['spread']:.2f}) | {m['errors']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (wl, rows) in zip(axes[0], results.items(), strict=True):
+        names = [n for n, m in rows.items() if "skipped" not in m]
+        for n in names:
+            m = rows[n]
+            ax.scatter(m["hit_rate"] * 100, m["ttft_mean_ms"], label=n)
+        ax.set_title(wl)
+        ax.set_xlabel("prefix-cache hit rate (%)")
+        ax.set_ylabel("TTFT mean (ms)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+# ---------------------------------------------------------------------- virtual time
+
+VIRTUAL_BALANCES = ("round_robin", "least_loaded", "prefix_affinity", "cache_aware")
+
+
+@dataclass
+class _VProfile:
+    """The part of ``classify.Profile`` the balances read."""
+
+    prompt_head: str
+    prompt_chars: int
+    prompt_tokens_est: int
+
+
+@dataclass(eq=False)
+class _VCall:
+    request_id: str
+    profile: _VProfile
+    ttft_s: float | None = None
+    finished: bool = False
+    prefix_match_tokens: int | None = None
+
+
+def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:
+    """The gateway's own decision code over four simulator schedulers, in virtual time.
+
+    No processes and no wall clock: the figures depend on the routing alone, not on how busy
+    the machine is. The replicas' waiting queues are "scraped" once a virtual second, as the
+    health loop does; in-flight counts are exact, as in the gateway.
+    """
+    from loadtest.sim.generate import Output
+    from loadtest.sim.scheduler import EngineRequest, Scheduler
+    from loadtest.sim.settings import SimSettings
+    from loadtest.sim.tokenizer import encode, render_chat
+    from proxy.config import CacheAwareConfig, ReplicaConfig
+    from proxy.fleet.fleet import Replica
+    from proxy.fleet.vllm import EngineSample
+    from proxy.routing import balance as bal
+    from proxy.routing.cache_aware import CacheAwareRouter
+    from proxy.routing.profile import affinity_key
+
+    settings = SimSettings(num_gpu_blocks=2200, prefill_per_token_s=0.0002)
+    scheds = [Scheduler(settings) for _ in range(REPLICAS)]
+    reps = []
+    for i in range(REPLICAS):
+        r = Replica(pool="p", config=ReplicaConfig(url=f"http://sim{i}"), name=f"sim{i}", url="")
+        r.stats.stale = False
+        reps.append(r)
+    router = CacheAwareRouter()
+    cfg = CacheAwareConfig()
+    rng = random.Random(seed)
+    arr_rng = random.Random(seed + 1)
+    reqs = requests_for(w, "virtual", seed)
+    t = 0.0
+    arrivals = []
+    for messages in reqs:
+        arrivals.append((t, messages))
+        t += arr_rng.expovariate(w.rate)
+    step_end: list[float | None] = [None] * REPLICAS
+    plans: list[Any] = [None] * REPLICAS
+    live: list[list[tuple[EngineRequest, _VCall]]] = [[] for _ in range(REPLICAS)]
+    done: list[EngineRequest] = []
+    per = [0] * REPLICAS
+    hits = queries = 0
+    next_scrape = 0.0
+    rr = 0
+    ai = 0
+
+    def start_step(i: int, now: float) -> None:
+        nonlocal hits, queries
+        if scheds[i].has_work():
+            plan = scheds[i].schedule(now)
+            hits += plan.cache_hits
+            queries += plan.cache_queries
+            plans[i] = plan
+            step_end[i] = now + scheds[i].step_time(plan)
+        else:
+            step_end[i] = None
+
+    while ai < len(arrivals) or any(e is not None for e in step_end):
+        t_arr = arrivals[ai][0] if ai < len(arrivals) else float("inf")
+        ends = [(e, i) for i, e in enumerate(step_end) if e is not None]
+        t_step, i_step = min(ends) if ends else (float("inf"), -1)
+        now = min(t_arr, t_step)
+        while next_scrape <= now:
+            for r, s in zip(reps, scheds, strict=True):
+                r.stats.sample = EngineSample(waiting=len(s.waiting), running=len(s.running))
+            next_scrape += 1.0
+        if t_step <= t_arr:
+            i = i_step
+            scheds[i].complete(plans[i], now)
+            still = []
+            for req, call in live[i]:
+                if req.first_token_at is not None and call.ttft_s is None:
+                    call.ttft_s = req.first_token_at - req.arrival
+                if req.done:
+                    call.finished = True
+                    reps[i].in_flight -= 1
+                    done.append(req)
+                else:
+                    still.append((req, call))
+            live[i] = still
+            start_step(i, now)
+            continue
+        messages = arrivals[ai][1]
+        ai += 1
+        text, _ = render_chat(messages)
+        call = _VCall(f"v{ai}", _VProfile(text, len(text), len(text) // 4))
+        if balance == "cache_aware":
+            chosen, _ = router.pick(reps, call, cfg, 4.0, rng)  # type: ignore[arg-type]
+        else:
+            key = affinity_key(call.profile, 1024)  # type: ignore[arg-type]
+            chosen = bal.pick(balance, reps, key=key, rng=rng, rr_index=rr, bounded_load=1.25)
+            rr += 1
+        i = reps.index(chosen)
+        per[i] += 1
+        chosen.in_flight += 1
+        req = EngineRequest(
+            id=call.request_id,
+            prompt=encode(text),
+            output=Output(ai, max_tokens=w.output_tokens),
+            arrival=now,
+        )
+        scheds[i].add(req)
+        live[i].append((req, call))
+        if step_end[i] is None:
+            start_step(i, now)
+    ttft = sorted(r.first_token_at - r.arrival for r in done)  # type: ignore[operator]
+    wall = max(r.finished_at for r in done)  # type: ignore[type-var]
+    out_tokens = sum(r.num_output for r in done)
+
+    def q(p: float) -> float:
+        return ttft[min(len(ttft) - 1, int(p * len(ttft)))] * 1000
+
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50_ms": q(0.50),
+        "ttft_p99_ms": q(0.99),
+        "ttft_mean_ms": statistics.fmean(ttft) * 1000,
+        "output_tok_s": out_tokens / wall,
+        "per_replica": per,
+        "spread": max(per) / (sum(per) / len(per)),
+        "errors": len(reqs) - len(done),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--configs", default=",".join(f"{k}:{b}" for k, b in CONFIGS))
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="one repetition, half the prompts")
+    ap.add_argument(
+        "--virtual",
+        action="store_true",
+        help="Tokenlane's balances over the simulator's scheduler in virtual time (no processes)",
+    )
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args(argv)
+    reps = 1 if args.quick else args.reps
+    configs = [tuple(c.split(":", 1)) for c in args.configs.split(",")]
+    peer_problem = None
+    if any(k == "vllm-router" for k, _ in configs):
+        try:
+            peers.ensure("vllm-router")
+        except peers.PeerUnavailable as exc:
+            peer_problem = str(exc).splitlines()[0]
+            print(f"vllm-router: not run ({peer_problem})", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    if args.virtual:
+        for wl in args.workloads.split(","):
+            results[wl] = {}
+            for b in VIRTUAL_BALANCES:
+                rows = [run_virtual(b, WORKLOADS[wl], 1000 + rep) for rep in range(reps)]
+                results[wl][f"tokenlane {b}"] = mean_rows(rows)
+                print(f"{wl} {b}: {json.dumps(results[wl][f'tokenlane {b}'])}", file=sys.stderr)
+        return report(results, reps, args, "virtual time, the simulator's scheduler")
+    with tempfile.TemporaryDirectory() as tmpname:
+        tmp = Path(tmpname)
+        for wl in args.workloads.split(","):
+            w = WORKLOADS[wl]
+            if args.quick:
+                w = Workload(
+                    w.groups,
+                    max(1, w.per_group // 2),
+                    w.system_tokens,
+                    w.question_tokens,
+                    w.output_tokens,
+                    w.rate,
+                )
+            results[wl] = {}
+            with replicas(tmp) as ports:
+                runs: dict[str, list[dict[str, Any]]] = {}
+                for rep in range(reps):
+                    for kind, balance in configs:
+                        name = f"{kind} {balance}"
+                        if kind == "vllm-router" and peer_problem:
+                            results[wl][name] = {"skipped": peer_problem}
+                            continue
+                        # Same length for every run, so block boundaries fall alike.
+                        salt = hashlib.blake2b(
+                            f"{wl}-{rep}-{kind}-{balance}".encode(), digest_size=4
+                        ).hexdigest()
+                        # The same prompts (seed) for every configuration of a repetition.
+                        row = run_one(kind, balance, ports, w, salt, 1000 + rep, tmp)
+                        runs.setdefault(name, []).append(row)
+                        print(f"{wl} rep {rep} {name}: {json.dumps(row)}", file=sys.stderr)
+                for name, rows in runs.items():
+                    results[wl][name] = mean_rows(rows)
+    return report(results, reps, args, "4 simulator processes over HTTP")
+
+
+def report(
+    results: dict[str, dict[str, Any]], reps: int, args: argparse.Namespace, how: str
+) -> int:
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    print(f"bench_cache {stamp}, {reps} repetition(s), {how} ({' '.join(SIM_ARGS)})")
+    print(table(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"date": stamp, "reps": reps, "results": results}, indent=1)
+        )
+    if args.plot and not plot(results, args.plot):
+        print("no matplotlib: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

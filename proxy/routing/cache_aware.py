@@ -1,0 +1,306 @@
+"""The ``cache_aware`` balance: send a prompt where its prefix is cached, unless waiting there
+costs more than prefilling it elsewhere.
+
+Every candidate is priced in prefill tokens, the unit that decides time to first token::
+
+    cost = miss_weight * uncached + queued + request_tokens * requests
+
+- ``uncached``: the prompt tokens this replica would have to prefill, i.e. the prompt minus the
+  longest prefix the replica's index holds (``prefix_index.py``);
+- ``queued``: prefill tokens this gateway sent to the replica that have not produced a first
+  token yet (known at once, unlike a scrape);
+- ``requests``: the replica's ``load`` (in flight from every gateway plus its scraped waiting
+  queue), each request costing ``request_tokens`` (its decode steps slow everyone's batch).
+
+The cheapest candidate wins; ties go to the longer match, then to the replica whose index has the
+most headroom, then to the RNG. What follows from the one formula:
+
+- a new prefix (no match anywhere) goes to the least busy replica, and among idle ones to the one
+  with the most room, so groups spread over the pool instead of evicting each other;
+- a known prefix stays where it is cached while that replica's queue is shorter than the
+  prefill it saves (``miss_weight`` > 1 makes it stickier: a replica that prefills a stranger's
+  prefix also evicts someone else's);
+- a hot prefix grows onto another replica once its home's queue outweighs a full prefill there:
+  the copy is indexed on the new replica, and from then on both match and share the load.
+
+``decide`` is the pure part (table-tested); ``CacheAwareRouter`` holds the per-replica indexes and
+the queued-token ledger of one pool and is what the relay calls.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from proxy.config import CacheAwareConfig
+from proxy.routing.prefix_index import PrefixIndex, text_block_hashes
+
+if TYPE_CHECKING:
+    from proxy.fleet.fleet import Fleet, Replica
+    from proxy.relay.call import Call
+
+__all__ = ["CacheAwareRouter", "Row", "Verdict", "View", "decide", "router_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What the decision sees of one candidate."""
+
+    name: str
+    matched_tokens: float  # the longest cached prefix of this prompt, in tokens
+    queued_tokens: float  # prefill tokens sent here and not yet answered
+    requests: float  # in flight + waiting (the replica's ``load``)
+    headroom: int  # free index blocks: room for a new prefix without evicting
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    name: str
+    matched_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    index: int  # into the views
+    # longest_match: the chosen replica holds the longest prefix and is the cheapest;
+    # new_prefix: nobody holds any of it, the cheapest (then roomiest) takes it;
+    # replicated: a replica with a longer match was busier by more than the prefill saved.
+    reason: str
+    rows: tuple[Row, ...]
+
+    def describe(self) -> str:
+        won = self.rows[self.index]
+        best = max(self.rows, key=lambda r: r.matched_tokens)
+        if self.reason == "replicated":
+            return (
+                f"{won.name}: {best.name} holds {best.matched_tokens} tokens but costs "
+                f"{best.cost:.0f} against {won.cost:.0f} here (matched {won.matched_tokens})"
+            )
+        if self.reason == "new_prefix":
+            return f"{won.name}: no replica holds this prefix; cheapest ({won.cost:.0f}), most room"
+        return f"{won.name}: longest match ({won.matched_tokens} tokens), cost {won.cost:.0f}"
+
+
+def decide(
+    views: Sequence[View], prompt_tokens: float, cfg: CacheAwareConfig, rng: random.Random
+) -> Verdict:
+    """The cheapest candidate by the module's cost formula. ``views`` is not empty."""
+    rows = []
+    best_i = -1
+    best_key: tuple[float, float, int, float] | None = None
+    for i, v in enumerate(views):
+        matched = min(v.matched_tokens, prompt_tokens)
+        cost = (
+            cfg.miss_weight * (prompt_tokens - matched)
+            + v.queued_tokens
+            + cfg.request_tokens * v.requests
+        )
+        rows.append(Row(v.name, int(matched), cost))
+        # Lower is better in every position; the RNG draw only separates exact ties.
+        key = (cost, -matched, -v.headroom, rng.random())
+        if best_key is None or key < best_key:
+            best_key, best_i = key, i
+    longest = max(r.matched_tokens for r in rows)
+    if longest == 0:
+        reason = "new_prefix"
+    elif rows[best_i].matched_tokens >= longest:
+        reason = "longest_match"
+    else:
+        reason = "replicated"
+    return Verdict(best_i, reason, tuple(rows))
+
+
+class CacheAwareRouter:
+    """One pool's indexes (one per replica, by name) and its ledger of queued prefill tokens."""
+
+    def __init__(self) -> None:
+        self.indexes: dict[str, PrefixIndex] = {}
+        # request id -> (call, replica name, prefill tokens): answered or finished calls are
+        # dropped at the next pick, so the ledger holds at most the pool's requests in flight.
+        self._queued: dict[str, tuple[Call, str, float]] = {}
+
+    def capacity_blocks(self, replica: Replica, cfg: CacheAwareConfig) -> int:
+        """The replica's KV capacity in index blocks: from its /metrics, else the policy's."""
+        sample = replica.stats.sample
+        kv_tokens = sample.num_gpu_blocks * sample.block_size or cfg.kv_tokens
+        return max(1, int(kv_tokens * cfg.kv_fraction) // cfg.block_tokens)
+
+    def index(self, replica: Replica, cfg: CacheAwareConfig) -> PrefixIndex:
+        cap = self.capacity_blocks(replica, cfg)
+        ix = self.indexes.get(replica.name)
+        if ix is None:
+            ix = self.indexes[replica.name] = PrefixIndex(cap)
+        elif ix.capacity != cap:
+            ix.resize(cap)
+        return ix
+
+    def queued_by_replica(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        done = []
+        for rid, (call, name, tokens) in self._queued.items():
+            if call.ttft_s is not None or call.finished:
+                done.append(rid)
+            else:
+                out[name] = out.get(name, 0.0) + tokens
+        for rid in done:
+            del self._queued[rid]
+        return out
+
+    def pick(
+        self,
+        candidates: Sequence[Replica],
+        call: Call,
+        cfg: CacheAwareConfig,
+        chars_per_token: float,
+        rng: random.Random,
+    ) -> tuple[Replica, Verdict] | None:
+        if not candidates:
+            return None
+        profile = call.profile
+        head = profile.prompt_head if profile is not None else ""
+        prompt_chars = max(profile.prompt_chars, len(head)) if profile is not None else 0
+        prompt_tokens = float(profile.prompt_tokens_est) if profile is not None else 0.0
+        block_chars = max(1, round(cfg.block_tokens * chars_per_token))
+        hashes = text_block_hashes(head, block_chars)
+        queued = self.queued_by_replica()
+        views = []
+        indexes = []
+        for r in candidates:
+            ix = self.index(r, cfg)
+            indexes.append(ix)
+            matched_chars = ix.match(hashes) * block_chars
+            # In the prompt's own token count, so a learned chars/token ratio carries over.
+            matched = prompt_tokens * matched_chars / prompt_chars if prompt_chars else 0.0
+            views.append(
+                View(
+                    r.name,
+                    matched,
+                    queued.get(r.name, 0.0),
+                    r.load,
+                    ix.capacity - len(ix),
+                )
+            )
+        verdict = decide(views, prompt_tokens, cfg, rng)
+        chosen = candidates[verdict.index]
+        indexes[verdict.index].touch(hashes)
+        matched_tokens = verdict.rows[verdict.index].matched_tokens
+        uncached = max(0.0, prompt_tokens - matched_tokens)
+        self._queued[call.request_id] = (call, chosen.name, uncached)
+        call.prefix_match_tokens = matched_tokens
+        return chosen, verdict
+
+    def stats(self) -> dict[str, Any]:
+        """Blocks and bytes per replica index, for metrics and the admin view."""
+        return {
+            name: {"blocks": len(ix), "capacity": ix.capacity, "bytes": ix.nbytes}
+            for name, ix in self.indexes.items()
+        }
+
+
+# One router per (fleet, pool): the fleet outlives policy reloads, so a reload keeps what the
+# indexes learnt; a fleet that goes away takes its routers with it.
+_routers: weakref.WeakKeyDictionary[Fleet, dict[str, CacheAwareRouter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def router_for(fleet: Fleet, pool: str) -> CacheAwareRouter:
+    pools = _routers.get(fleet)
+    if pools is None:
+        pools = _routers[fleet] = {}
+    router = pools.get(pool)
+    if router is None:
+        router = pools[pool] = CacheAwareRouter()
+    return router
+
+
+def routers(fleet: Fleet) -> dict[str, CacheAwareRouter]:
+    return _routers.get(fleet, {})
+
+
+def pick(
+    gw: Any, pool: str, candidates: Sequence[Replica], call: Call, rng: random.Random
+) -> Replica | None:
+    """The relay's entry point: route ``call`` within ``pool`` and record the pick in metrics."""
+    cfg = gw.fleet.pools[pool].config.cache_aware
+    router = router_for(gw.fleet, pool)
+    picked = router.pick(candidates, call, cfg, gw.policy.estimate.chars_per_token, rng)
+    if picked is None:
+        return None
+    chosen, verdict = picked
+    m = gw.metrics
+    m.series(m.prefix_match, pool).observe(verdict.rows[verdict.index].matched_tokens)
+    m.series(m.cache_aware_picks, pool, verdict.reason).inc()
+    ix = router.indexes[chosen.name]
+    m.series(m.prefix_index_blocks, pool, chosen.name).set(len(ix))
+    m.series(m.prefix_index_bytes, pool).set(sum(i.nbytes for i in router.indexes.values()))
+    sample = chosen.stats.sample
+    m.series(m.replica_prefix_hits, pool, chosen.name).set(sample.prefix_cache_hits_total)
+    m.series(m.replica_prefix_queries, pool, chosen.name).set(sample.prefix_cache_queries_total)
+    return chosen
+
+
+# ---------------------------------------------------------------------------- explain
+
+
+@dataclass(eq=False)
+class _Probe:
+    """The part of a ``Call`` the router reads, for ``tokenlane explain``."""
+
+    request_id: str
+    profile: Any
+    ttft_s: float | None = None
+    finished: bool = False
+    prefix_match_tokens: int | None = None
+
+
+def explain(
+    policy: Any,
+    pool: str,
+    body: dict[str, Any],
+    kind: str,
+    earlier: Sequence[dict[str, Any]] = (),
+    chars_per_token: float | None = None,
+) -> dict[str, Any]:
+    """How a ``cache_aware`` pool would place ``body`` once ``earlier`` requests were placed.
+
+    No network: every replica idle, indexes sized from the policy, the earlier requests routed
+    (and answered) first, so the match lengths show what the pool would have learnt from them.
+    """
+    from proxy.fleet.fleet import Replica
+    from proxy.routing.estimate import Estimator
+    from proxy.routing.profile import max_prefix_chars, profile_request
+
+    ratio = policy.estimate.chars_per_token if chars_per_token is None else chars_per_token
+    estimator = Estimator(ratio, policy.estimate.image_tokens)
+    head = max_prefix_chars(policy)
+    cfg = policy.pools[pool]
+    replicas = []
+    for rc in cfg.replicas:
+        r = Replica(pool=pool, config=rc, name=rc.label, url=rc.url)
+        r.stats.stale = False
+        replicas.append(r)
+    router = CacheAwareRouter()
+    rng = random.Random(0)
+    for i, b in enumerate(earlier):
+        probe = _Probe(f"earlier-{i}", profile_request(b, kind, estimator, head))
+        router.pick(replicas, probe, cfg.cache_aware, ratio, rng)  # type: ignore[arg-type]
+        probe.finished = True
+    probe = _Probe("request", profile_request(body, kind, estimator, head))
+    picked = router.pick(replicas, probe, cfg.cache_aware, ratio, rng)  # type: ignore[arg-type]
+    assert picked is not None  # a pool has at least one replica
+    chosen, verdict = picked
+    return {
+        "pool": pool,
+        "winner": chosen.name,
+        "reason": verdict.reason,
+        "why": verdict.describe(),
+        "candidates": [
+            {"name": r.name, "matched_tokens": r.matched_tokens, "cost": round(r.cost, 1)}
+            for r in verdict.rows
+        ],
+    }
