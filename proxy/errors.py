@@ -282,6 +282,11 @@ class UpstreamReadTimeout(UpstreamError):
 # -- the relay's attempts ---------------------------------------------------------------------
 
 
+class HeadRefused(TokenlaneError):
+    """Raised from an HTTP parser callback to stop parsing a request head that broke one of
+    the edge's bounds (``proxy.edge.serve``); the connection is answered and closed there."""
+
+
 class AttemptFault(TokenlaneError):
     """A fault the relay found itself (a status, an error event, its watchdog), on its way to
     the one place that judges faults."""

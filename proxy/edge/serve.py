@@ -36,7 +36,7 @@ from proxy.edge.asgi_ext import (
     ClientGoneHook,
 )
 from proxy.edge.routes import configure_logging
-from proxy.errors import error_body
+from proxy.errors import HeadRefused, error_body
 from proxy.gateway import Gateway, create_app
 
 log = logging.getLogger("tokenlane")
@@ -314,10 +314,6 @@ def edge_for(app: object) -> Edge:
     return Edge(lambda: _DEFAULT_SERVER, None)
 
 
-class _Refused(Exception):
-    """Raised from a parser callback to stop parsing a head that broke a bound."""
-
-
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection (neither
     asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
@@ -423,7 +419,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._head_size += len(url)
         if self._head_size > self._bounds.max_header_bytes:
             self._refusal = "header_bytes"
-            raise _Refused
+            raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value)
@@ -431,7 +427,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         b = self._bounds
         if self._head_size > b.max_header_bytes or self._head_count > b.max_headers:
             self._refusal = head_refusal(self._head_size, self._head_count, b)
-            raise _Refused
+            raise HeadRefused
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:

@@ -133,7 +133,10 @@ class Relay:
             if cfg.balance == "prefix_affinity" and call.profile is not None:
                 key = affinity_key(call.profile, cfg.prefix_chars)
             if cfg.balance == "cache_aware":
-                choice = cache_aware.pick(self.gw, pool_name, cands, call, self.rng)
+                chars = self.policy().estimate.chars_per_token
+                choice = cache_aware.pick(
+                    fleet, self.metrics, chars, pool_name, cands, call, self.rng
+                )
             else:
                 choice = balance.pick(
                     cfg.balance,

@@ -40,6 +40,7 @@ from proxy.routing.prefix_index import PrefixIndex, text_block_hashes
 
 if TYPE_CHECKING:
     from proxy.fleet.fleet import Fleet, Replica
+    from proxy.observe.metrics import Metrics
     from proxy.relay.call import Call
 
 __all__ = ["CacheAwareRouter", "Row", "Verdict", "View", "decide", "router_for"]
@@ -223,16 +224,22 @@ def routers(fleet: Fleet) -> dict[str, CacheAwareRouter]:
 
 
 def pick(
-    gw: Any, pool: str, candidates: Sequence[Replica], call: Call, rng: random.Random
+    fleet: Fleet,
+    metrics: Metrics,
+    chars_per_token: float,
+    pool: str,
+    candidates: Sequence[Replica],
+    call: Call,
+    rng: random.Random,
 ) -> Replica | None:
     """The relay's entry point: route ``call`` within ``pool`` and record the pick in metrics."""
-    cfg = gw.fleet.pools[pool].config.cache_aware
-    router = router_for(gw.fleet, pool)
-    picked = router.pick(candidates, call, cfg, gw.policy.estimate.chars_per_token, rng)
+    cfg = fleet.pools[pool].config.cache_aware
+    router = router_for(fleet, pool)
+    picked = router.pick(candidates, call, cfg, chars_per_token, rng)
     if picked is None:
         return None
     chosen, verdict = picked
-    m = gw.metrics
+    m = metrics
     m.series(m.prefix_match, pool).observe(verdict.rows[verdict.index].matched_tokens)
     m.series(m.cache_aware_picks, pool, verdict.reason).inc()
     ix = router.indexes[chosen.name]
