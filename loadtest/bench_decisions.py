@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from proxy.config import Policy, ReplicaConfig, build_policy
+from proxy.config import Policy, ReplicaConfig
 from proxy.fleet.fleet import Replica, ReplicaState
 from proxy.fleet.vllm import EngineSample
+from proxy.policyfile import build_policy
 from proxy.routing.balance import pick
 from proxy.routing.estimate import Estimator
 from proxy.routing.lanes import match_lane

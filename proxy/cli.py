@@ -10,16 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.config import (
-    PolicyError,
-    analyse,
-    load_policy,
-    package_version,
-    policy_markdown,
-    policy_schema,
-    with_key_table,
-)
+from proxy.config import package_version
 from proxy.demo import DEMO_FILE
+from proxy.policyfile import PolicyError, analyse, load_policy
+from proxy.schema import policy_markdown, policy_schema, with_key_table
 
 
 def _serve(args: argparse.Namespace) -> int:

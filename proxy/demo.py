@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from proxy.config import Policy, PolicyError, load_policy
+from proxy.config import Policy
+from proxy.policyfile import PolicyError, load_policy
 
 DEMO_POLICY = Path(__file__).with_name("policy.demo.yaml")
 DEMO_FILE = "tokenlane-demo.yaml"

@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from proxy.config import Policy, keep_restart_keys, load_policy, restart_changes
+from proxy.config import Policy, keep_restart_keys, restart_changes
 from proxy.edge.auth import ClientKeys, Guard
 from proxy.edge.routes import GatewayApp
 from proxy.errors import PolicyError
@@ -26,6 +26,7 @@ from proxy.fleet.health import HealthMonitor
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
+from proxy.policyfile import load_policy
 from proxy.relay.relay import Relay, make_client
 from proxy.routing.admission import Admission
 from proxy.routing.estimate import Estimator

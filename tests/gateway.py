@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 import yaml
 
-from proxy.config import Policy, build_policy
+from proxy.config import Policy
 from proxy.edge.routes import GatewayApp
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
+from proxy.policyfile import build_policy
 
 from .servers import free_port, run_process, serve_app
 from .waiting import TIMEOUT_S, WaitTimeout, wait_until

@@ -10,11 +10,12 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from proxy.config import Policy, PolicyError, build_policy
+from proxy.config import Policy
 from proxy.edge.admin import Forbidden, admin_routes, check_auth, epoch_row
 from proxy.errors import Unauthorized
 from proxy.fleet.fleet import Fleet
 from proxy.observe.metrics import Metrics
+from proxy.policyfile import PolicyError, build_policy
 
 from .servers import serve_app
 

@@ -11,9 +11,9 @@ import httpx
 import yaml
 
 from loadtest.fake_upstream import running
-from proxy.config import load_policy
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
+from proxy.policyfile import load_policy
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app

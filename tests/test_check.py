@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import PolicyError, analyse, did_you_mean, parse_yaml
+from proxy.policyfile import PolicyError, analyse, did_you_mean, parse_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config import LaneConfig, LaneWhen, Policy, build_policy
+from proxy.config import LaneConfig, LaneWhen, Policy
+from proxy.policyfile import build_policy
 from proxy.routing.balance import rendezvous_order
 from proxy.routing.estimate import Estimator
 from proxy.routing.explain import explain_request

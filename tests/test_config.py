@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import PolicyError, load_policy, policy_from_text
+from proxy.policyfile import PolicyError, load_policy, policy_from_text
 
 ROOT = Path(__file__).resolve().parent.parent
 

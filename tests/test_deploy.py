@@ -29,7 +29,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import Policy, load_policy
+from proxy.config import Policy
+from proxy.policyfile import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"

@@ -68,10 +68,10 @@ def test_every_exception_in_errors_py_is_a_tokenlane_error() -> None:
 
 
 def test_moved_classes_keep_their_builtin_bases_and_their_old_import_paths() -> None:
-    from proxy.config import PolicyError
     from proxy.edge.admin import Forbidden as AdminForbidden
     from proxy.fleet.fleet import AmbiguousReplica, UnknownReplica
     from proxy.fleet.vllm import ScrapeError
+    from proxy.policyfile import PolicyError
     from proxy.routing.lanes import NoLaneMatched
     from proxy.routing.tokens import TokenizerError
     from proxy.state.redislink import Unavailable

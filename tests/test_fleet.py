@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from proxy.config import build_policy
 from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
 from proxy.fleet.vllm import EngineSample
 from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
 
 P, H, E, D = ReplicaState.PROBING, ReplicaState.HEALTHY, ReplicaState.EJECTED, ReplicaState.DRAINING
 URLS = ["http://r0:8000", "http://r1:8000", "http://r2:8000"]

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from loadtest.sim.server import Sim, run_sim
-from proxy.config import build_policy
 from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
 from proxy.fleet.health import HealthMonitor
 from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
 from proxy.relay.upstream import make_client
 
 from .waiting import wait_until

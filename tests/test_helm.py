@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.config import analyse
+from proxy.policyfile import analyse
 
 from .gateway import policy_for, running_gateway
 from .servers import free_port

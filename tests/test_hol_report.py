@@ -27,7 +27,7 @@ from loadtest.runner import request_body
 from loadtest.sim.cli import _parser, settings_from_args
 from loadtest.stats import OK, PENDING, RequestResult
 from loadtest.workload import load_trace
-from proxy.config import build_policy
+from proxy.policyfile import build_policy
 from proxy.routing.explain import explain_request
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"]

@@ -8,7 +8,8 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   composition  proxy.gateway (builds the parts, reload, start/stop)
   edge         the rest of proxy.edge (endpoint, routes, auth, admin)
   core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe
-  base         proxy.config, proxy.errors, proxy.routing.tokens, proxy.edge.asgi_ext
+  base         proxy.config, proxy.policyfile, proxy.schema, proxy.errors, proxy.routing.tokens,
+               proxy.edge.asgi_ext
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # server and the relay both speak it, and it imports nothing.
     (
         "base",
-        ("proxy.config", "proxy.errors", "proxy.routing.tokens", "proxy.edge.asgi_ext"),
+        (
+            "proxy.config",
+            "proxy.policyfile",
+            "proxy.schema",
+            "proxy.errors",
+            "proxy.routing.tokens",
+            "proxy.edge.asgi_ext",
+        ),
     ),
     ("core", ("proxy.routing", "proxy.relay", "proxy.fleet", "proxy.state", "proxy.observe")),
 ]

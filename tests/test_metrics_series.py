@@ -12,7 +12,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fake_upstream import running
-from proxy.config import build_policy
 from proxy.observe.metrics import (
     EJECTION_REASONS,
     RETRY_REASONS,
@@ -22,6 +21,7 @@ from proxy.observe.metrics import (
     replica_address,
     replica_ttft_s,
 )
+from proxy.policyfile import build_policy
 
 from .gateway import policy_for, running_gateway
 from .test_reload import gateway_with_file, write_atomically

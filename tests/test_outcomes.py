@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.config import build_policy
 from proxy.observe.accesslog import record_of, write_line
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
 from proxy.observe.record import Recorder
+from proxy.policyfile import build_policy
 from proxy.relay.call import Call
 from proxy.routing.profile import Profile
 

@@ -16,10 +16,10 @@ import yaml
 
 from loadtest.fake_upstream import running
 from proxy import gateway as gateway_module
-from proxy.config import build_policy, load_policy
 from proxy.edge.serve import GatewayServer, uvicorn_config
 from proxy.fleet.discovery import Discovery, expand, expand_replica
 from proxy.gateway import create_app
+from proxy.policyfile import build_policy, load_policy
 
 from .gateway import policy_for, wait_ready
 from .servers import bound_socket

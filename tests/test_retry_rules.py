@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
-from proxy.config import PolicyError, build_policy, policy_from_text, restart_changes
+from proxy.config import restart_changes
+from proxy.policyfile import PolicyError, build_policy, policy_from_text
 from proxy.relay import upstream
 
 from .gateway import policy_for, running_gateway

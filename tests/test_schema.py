@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 import yaml
 
-from proxy.config import (
+from proxy.config import Policy
+from proxy.schema import (
     DOCS_BEGIN,
     DOCS_END,
-    Policy,
     policy_keys,
     policy_markdown,
     policy_schema,

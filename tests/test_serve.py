@@ -20,7 +20,6 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loadtest.fake_upstream import running
-from proxy.config import build_policy
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
     START_BODY,
@@ -31,6 +30,7 @@ from proxy.edge.asgi_ext import (
 from proxy.edge.endpoint import request_id_from
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
+from proxy.policyfile import build_policy
 
 from .gateway import policy_for, wait_ready
 from .servers import serve_app

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import pytest
 
-from proxy.config import RateLimitsConfig, RedisConfig, build_policy
+from proxy.config import RateLimitsConfig, RedisConfig
 from proxy.fleet.fleet import EjectReason, Fleet, ReplicaState
 from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
 from proxy.routing.ratelimit import LocalRateLimiter
 from proxy.state.codec import ReplicaRecord, sum_load
 from proxy.state.leases import Lease, LeasedRateLimiter, batch_size, lease_amount, may_spend, settle

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from proxy.config import EstimateConfig, PolicyError, build_policy
+from proxy.config import EstimateConfig
+from proxy.policyfile import PolicyError, build_policy
 from proxy.routing.estimate import Estimator
 from proxy.routing.explain import explain_request
 from proxy.routing.profile import (

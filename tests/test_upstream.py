@@ -11,7 +11,6 @@ import aiohttp
 import httpx
 import pytest
 
-from proxy.config import build_policy
 from proxy.errors import (
     UpstreamClosed,
     UpstreamError,
@@ -19,6 +18,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
+from proxy.policyfile import build_policy
 from proxy.relay import upstream
 from proxy.relay.upstream import UpstreamClient, make_client, timeout_extension
 
