@@ -18,13 +18,15 @@ import pytest
 
 from loadtest.fake_upstream import MODEL, running
 from proxy.errors import RetryableFailure, RetryReason
+from proxy.fleet.fleet import ReplicaState
 from proxy.observe import tracing
 from proxy.relay.retry import Phase
 
 from .gateway import policy_for, running_gateway
+from .waiting import wait_until
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -98,11 +100,16 @@ async def test_a_retried_request_is_one_trace_from_client_to_each_replica() -> N
     }
     with receiving() as receiver:
         async with running(tokens=5) as good, running(tokens=5) as busy:
-            busy.fail_status = 503  # busy: retried on the other replica
             env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "gw-test"}
             policy = policy_for({"p": [good.url, busy.url]})
             async with running_gateway(policy, environ=env) as (url, app):
                 assert app.gateway.tracer is not None
+                fleet = app.gateway.fleet
+                await wait_until(
+                    lambda: all(r.state is ReplicaState.HEALTHY for r in fleet.replicas()),
+                    what="both replicas healthy",
+                )
+                busy.fail_status = 503  # busy from now on: retried on the other replica
                 async with httpx.AsyncClient(timeout=10) as client:
                     # Round robin advances once per request: one of two starts on `busy`.
                     for i in range(2):
@@ -239,6 +246,8 @@ def test_operation_names(kind: str, path: str, expected: str) -> None:
         (None, OSError(), {"tokenlane.phase": "content", "error.type": "OSError"}),
     ],
 )
-def test_attempt_outcomes(interrupted: str | None, exc: BaseException | None, expected: Any) -> None:
+def test_attempt_outcomes(
+    interrupted: str | None, exc: BaseException | None, expected: Any
+) -> None:
     attempt = SimpleNamespace(phase=Phase.CONTENT, interrupted=interrupted)
     assert tracing.attempt_outcome(attempt, exc) == expected  # type: ignore[arg-type]
