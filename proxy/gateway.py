@@ -26,6 +26,7 @@ from proxy.fleet.health import HealthMonitor
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
+from proxy.observe.tracing import from_environ as tracer_from_environ
 from proxy.policyfile import load_policy
 from proxy.relay.relay import Relay, make_client
 from proxy.routing.admission import Admission
@@ -81,12 +82,15 @@ class Gateway:
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy)
         self.health_client = make_client(policy)
+        # Off (None) unless the OTEL_EXPORTER_OTLP_* variables name a collector.
+        self.tracer = tracer_from_environ(self.environ)
         self.relay = Relay(
             self.client,
             admission=self.admission,
             fleet=self.fleet,
             metrics=self.metrics,
             policy=lambda: self.policy,
+            tracer=self.tracer,
         )
         self.health = HealthMonitor(
             self.fleet, lambda: self.policy, self.health_client, self.metrics
@@ -198,6 +202,9 @@ class Gateway:
             await self.health_client.aclose()
         finally:
             self.outcomes.close()
+            if self.tracer is not None:
+                # Flushes the spans still batched: a blocking export, off the event loop.
+                await asyncio.to_thread(self.tracer.shutdown)
 
     def begin_shutdown(self) -> None:
         """From now on ``/ready`` fails and new requests get 503: a drain has started."""

@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.fleet.fleet import Fleet
 from proxy.observe.outcomes import Outcomes
+from proxy.observe.tracing import Tracer
 from proxy.relay.call import Call
 from proxy.relay.relay import DROP_UPSTREAM, Relay
 from proxy.routing.estimate import Estimator
@@ -71,6 +72,7 @@ class EndpointParts(Protocol):
     max_prefix_chars: int
     relay: Relay
     outcomes: Outcomes
+    tracer: Tracer | None  # None: tracing off (the OTEL_EXPORTER_OTLP_* variables unset)
     shutting_down: bool
     active_requests: int  # the endpoint counts itself in and out (the drain waits on it)
 
@@ -173,6 +175,8 @@ class RelayEndpoint:
             policy = gw.policy
             call = self._make_call(policy, raw, headers, request_id, received_at)
             call.query = scope.get("query_string", b"")
+            if gw.tracer is not None:
+                gw.tracer.request_started(call)
             if key is not None:
                 guard.charge(key, call, policy.estimate.chars_per_token)
             call.task = asyncio.current_task()
@@ -220,6 +224,8 @@ class RelayEndpoint:
             if hook is not None:
                 hook.callback = None  # the connection outlives the request: keep no Call alive
             if call is not None:
+                if call.trace is not None and gw.tracer is not None:
+                    gw.tracer.request_finished(call)
                 # Recorded off this path, in a batch (``Outcomes``).
                 gw.outcomes.add(call, now() - call.received_at)
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from proxy.errors import (
 )
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
+from proxy.observe.tracing import Tracer
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.retry import (
@@ -95,6 +97,7 @@ class Relay:
         fleet: Fleet,
         metrics: Metrics,
         policy: Callable[[], Policy],
+        tracer: Tracer | None = None,
     ) -> None:
         """``policy`` is a getter: a reload swaps the policy, and each request reads the one
         current when it starts."""
@@ -102,6 +105,7 @@ class Relay:
         self.fleet = fleet
         self.metrics = metrics
         self.policy = policy
+        self.tracer = tracer  # None: tracing off
         # Requests go to the client's transport directly: AsyncClient.send() adds redirects,
         # auth, cookie extraction and event hooks, none of which a proxy uses, at ~15 % of the
         # gateway's CPU per request.
@@ -283,9 +287,13 @@ class Relay:
         call.pool = replica.pool
         failure: FailureKind | None = None
         response: httpx.Response | None = None
+        tracer = self.tracer
+        span = None
         try:
             try:
                 request = self._request(call, replica)
+                if tracer is not None:
+                    span = tracer.attempt_started(call, replica, request)
                 if call.overhead_s is None:  # arrival to the first send, retries apart
                     call.overhead_s = now() - call.received_at
                 # The first-token watchdog (streams only) runs from the attempt's start: a
@@ -324,6 +332,8 @@ class Relay:
             failure = verdict.failure
             await self._settle(call, attempt, send, verdict, _detail(fault, attempt, call, why))
         finally:
+            if span is not None and tracer is not None:
+                tracer.attempt_finished(span, call, attempt, sys.exc_info()[1])
             replica.streams.discard(attempt)
             self.fleet.attempt_finished(replica, failure)
             self.admission.released(replica)

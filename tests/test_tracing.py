@@ -1,0 +1,253 @@
+"""OpenTelemetry traces over real sockets: a gateway exporting to a real OTLP/HTTP receiver
+started here (a small HTTP server decoding the protobuf ``ExportTraceServiceRequest``), with the
+parent links from the client's ``traceparent`` to the SERVER span, its CLIENT span per attempt,
+and the ``traceparent`` each replica received; and tracing off when nothing configures it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.fake_upstream import MODEL, running
+from proxy.errors import RetryableFailure, RetryReason
+from proxy.fleet.fleet import ReplicaState
+from proxy.observe import tracing
+from proxy.relay.retry import Phase
+
+from .gateway import policy_for, running_gateway
+from .waiting import wait_until
+
+pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint: every span posted to /v1/traces, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+        self.posts = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        receiver.spans.extend(ss.spans)
+                receiver.posts += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@contextlib.contextmanager
+def receiving() -> Iterator[Receiver]:
+    receiver = Receiver()
+    thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()
+
+
+def attrs(span: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        if kind == "array_value":
+            out[kv.key] = [getattr(x, x.WhichOneof("value")) for x in v.array_value.values]
+        else:
+            out[kv.key] = getattr(v, kind)
+    return out
+
+
+def traceparent(trace_id: str, span_id: str) -> str:
+    return f"00-{trace_id}-{span_id}-01"
+
+
+async def test_a_retried_request_is_one_trace_from_client_to_each_replica() -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with receiving() as receiver:
+        async with running(tokens=5) as good, running(tokens=5) as busy:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "gw-test"}
+            policy = policy_for({"p": [good.url, busy.url]})
+            async with running_gateway(policy, environ=env) as (url, app):
+                assert app.gateway.tracer is not None
+                fleet = app.gateway.fleet
+                await wait_until(
+                    lambda: all(r.state is ReplicaState.HEALTHY for r in fleet.replicas()),
+                    what="both replicas healthy",
+                )
+                busy.fail_status = 503  # busy from now on: retried on the other replica
+                async with httpx.AsyncClient(timeout=10) as client:
+                    # Round robin advances once per request: one of two starts on `busy`.
+                    for i in range(2):
+                        r = await client.post(
+                            url + "/v1/chat/completions",
+                            json=body,
+                            headers={
+                                "traceparent": traceparent(CLIENT_TRACE, f"{i + 1:016x}"),
+                                "tracestate": "vendor=abc",
+                            },
+                        )
+                        assert r.status_code == 200
+            # The gateway's stop flushed its batch: every span is here now.
+        spans = list(receiver.spans)
+    servers = [s for s in spans if s.kind == SERVER]
+    clients = [s for s in spans if s.kind == CLIENT]
+    assert len(servers) == 2 and len(clients) == 3
+    by_parent: dict[bytes, list[Any]] = {}
+    for c in clients:
+        by_parent.setdefault(c.parent_span_id, []).append(c)
+    [retried] = [s for s in servers if len(by_parent.get(s.span_id, [])) == 2]
+    [plain] = [s for s in servers if s is not retried]
+    # The client's traceparent is the SERVER span's parent.
+    for s in servers:
+        assert s.trace_id.hex() == CLIENT_TRACE
+        assert s.parent_span_id.hex() in ("0000000000000001", "0000000000000002")
+    a = attrs(retried)
+    assert a["gen_ai.operation.name"] == "chat"
+    assert a["gen_ai.request.model"] == MODEL
+    assert a["gen_ai.request.max_tokens"] == 5
+    assert a["gen_ai.usage.output_tokens"] == 5
+    assert isinstance(a["gen_ai.usage.input_tokens"], int)
+    assert a["gen_ai.response.time_to_first_chunk"] > 0
+    assert a["tokenlane.lane"] == "all" and a["tokenlane.pool"] == "p"
+    assert a["tokenlane.retries"] == 1 and attrs(plain)["tokenlane.retries"] == 0
+    assert a["tokenlane.queue_wait_s"] >= 0
+    assert a["http.response.status_code"] == 200
+    assert [e.name for e in retried.events] == ["gen_ai.first_chunk"]
+    # One CLIENT span per attempt, in order: the busy replica's failed, the good one's served.
+    first, second = sorted(by_parent[retried.span_id], key=lambda s: s.start_time_unix_nano)
+    assert attrs(first)["tokenlane.replica"] == busy.url.removeprefix("http://")
+    assert attrs(first)["error.type"] == "upstream_5xx"
+    assert attrs(first)["tokenlane.attempt"] == 1
+    assert attrs(second)["tokenlane.replica"] == good.url.removeprefix("http://")
+    assert attrs(second)["tokenlane.attempt"] == 2
+    assert "error.type" not in attrs(second)
+    for c in clients:
+        assert c.trace_id.hex() == CLIENT_TRACE
+    # What each replica received: the CLIENT span's context, not the client's, and the
+    # client's tracestate kept.
+    seen = {
+        (h["traceparent"], h.get("tracestate"))
+        for up in (good, busy)
+        for h, t in zip(up.stats.headers, up.stats.targets, strict=True)
+        if t == "/v1/chat/completions"
+    }
+    assert seen == {(traceparent(CLIENT_TRACE, c.span_id.hex()), "vendor=abc") for c in clients}
+
+
+async def test_tracing_is_off_without_the_otlp_variables() -> None:
+    async with running(tokens=2) as up:
+        async with running_gateway(policy_for({"p": [up.url]}), environ={}) as (url, app):
+            assert app.gateway.tracer is None
+            assert app.gateway.relay.tracer is None
+            async with httpx.AsyncClient(timeout=10) as client:
+                sent = traceparent(CLIENT_TRACE, CLIENT_SPAN)
+                r = await client.post(
+                    url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                    headers={"traceparent": sent},
+                )
+                assert r.status_code == 200
+    # Untouched, as before tracing existed.
+    assert up.stats.headers[-1]["traceparent"] == sent
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "http://c:4318/v1/traces"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"}, "http://c:4318/v1/traces"),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/x",
+            },
+            "http://t:9/x",
+        ),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "true"}, None),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"}, None),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "  "}, None),
+    ],
+)
+def test_the_standard_variables_turn_tracing_on(
+    environ: dict[str, str], expected: str | None
+) -> None:
+    assert tracing.endpoint_from(environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "expected"),
+    [
+        ("chat", "/v1/chat/completions", "chat"),
+        ("completion", "/v1/completions", "text_completion"),
+        ("other", "/v1/embeddings", "embeddings"),
+        ("other", "/v1/rerank", "rerank"),
+        ("other", "/tokenize", "tokenize"),
+    ],
+)
+def test_operation_names(kind: str, path: str, expected: str) -> None:
+    assert tracing.operation_name(kind, path) == expected
+
+
+@pytest.mark.parametrize(
+    ("interrupted", "exc", "expected"),
+    [
+        (None, None, {"tokenlane.phase": "content"}),
+        (
+            "stalled",
+            RetryableFailure(RetryReason("replica_ejected"), None, "x"),
+            {
+                "tokenlane.phase": "content",
+                "tokenlane.ejection_reason": "stalled",
+                "error.type": "replica_ejected",
+                "tokenlane.retryable": True,
+            },
+        ),
+        (
+            None,
+            asyncio.CancelledError(),
+            {"tokenlane.phase": "content", "error.type": "cancelled"},
+        ),
+        (None, OSError(), {"tokenlane.phase": "content", "error.type": "OSError"}),
+    ],
+)
+def test_attempt_outcomes(
+    interrupted: str | None, exc: BaseException | None, expected: Any
+) -> None:
+    attempt = SimpleNamespace(phase=Phase.CONTENT, interrupted=interrupted)
+    assert tracing.attempt_outcome(attempt, exc) == expected  # type: ignore[arg-type]
