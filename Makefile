@@ -1,4 +1,5 @@
 # The two commands: `make run` (the demo, or POLICY=path for real replicas) and `make test`.
+# `make lint`: ruff, mypy (files and options in pyproject's [tool.mypy]) and the import contracts.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -37,6 +38,8 @@ bench: venv
 lint: venv
 	$(VENV)/bin/ruff check proxy loadtest tests
 	$(VENV)/bin/ruff format --check proxy loadtest tests
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q tests/test_layers.py tests/test_sim_imports.py tests/test_internals.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -431,11 +431,13 @@ def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:
         text, _ = render_chat(messages)
         call = _VCall(f"v{ai}", _VProfile(text, len(text), len(text) // 4))
         if balance == "cache_aware":
-            chosen, _ = router.pick(reps, call, cfg, 4.0, rng)  # type: ignore[arg-type]
+            picked = router.pick(reps, call, cfg, 4.0, rng)  # type: ignore[arg-type]
+            chosen = picked[0] if picked is not None else None
         else:
             key = affinity_key(call.profile, 1024)  # type: ignore[arg-type]
             chosen = bal.pick(balance, reps, key=key, rng=rng, rr_index=rr, bounded_load=1.25)
             rr += 1
+        assert chosen is not None  # reps is never empty
         i = reps.index(chosen)
         per[i] += 1
         chosen.in_flight += 1
@@ -449,8 +451,9 @@ def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:
         live[i].append((req, call))
         if step_end[i] is None:
             start_step(i, now)
-    ttft = sorted(r.first_token_at - r.arrival for r in done)  # type: ignore[operator]
-    wall = max(r.finished_at for r in done)  # type: ignore[type-var]
+    # A finished request has both timestamps; the scheduler sets them as it goes.
+    ttft = sorted(r.first_token_at - r.arrival for r in done if r.first_token_at is not None)
+    wall = max(r.finished_at for r in done if r.finished_at is not None)
     out_tokens = sum(r.num_output for r in done)
 
     def q(p: float) -> float:

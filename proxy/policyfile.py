@@ -205,7 +205,7 @@ def _relations(policy: Policy) -> list[Problem]:
         if lane.pool not in policy.pools:
             problems.append(Problem(("lanes", i, "pool"), f"unknown pool {lane.pool!r}"))
         if lane.spill_to is not None:
-            where = ("lanes", i, "spill_to")
+            where: Loc = ("lanes", i, "spill_to")
             if lane.spill_to not in policy.pools:
                 problems.append(Problem(where, f"unknown pool {lane.spill_to!r}"))
             elif lane.spill_to == lane.pool:

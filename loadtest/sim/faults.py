@@ -117,10 +117,10 @@ def from_cli(name: str | None, params: Sequence[str], json_text: str | None) -> 
         if name is not None or params:
             raise FaultError("--fault-json excludes --fault and --fault-param")
         try:
-            body = json.loads(json_text)
+            parsed = json.loads(json_text)
         except json.JSONDecodeError as exc:
             raise FaultError(f"--fault-json is not JSON: {exc}") from None
-        return parse(body, require_duration=False)
+        return parse(parsed, require_duration=False)
     if name is None:
         if params:
             raise FaultError("--fault-param needs --fault")

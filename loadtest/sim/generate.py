@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from . import tokenizer
 
-WORDS = (
+_COMMON_WORDS = (
     "the of and to in is it that for you was with on as have but be they at one this from "
     "or had by hot word what some we can out other were all there when up use your how said "
     "an each she which do their time if will way about many then them write would like so "
@@ -54,7 +54,7 @@ WORDS = (
     "language among"
 ).split()
 # Only words that stay one token with their leading space and capitalised.
-WORDS = tuple(w for w in WORDS if len(w) + 1 <= tokenizer.WHOLE_WORD_MAX)
+WORDS = tuple(w for w in _COMMON_WORDS if len(w) + 1 <= tokenizer.WHOLE_WORD_MAX)
 
 SENTENCE_MIN, SENTENCE_MAX = 5, 14
 END_P, COMMA_P, QUESTION_P, PARAGRAPH_P, EMOJI_P = 0.2, 0.12, 0.1, 0.2, 0.15

@@ -15,6 +15,7 @@ import socket
 import struct
 import termios
 from collections.abc import Callable
+from typing import cast
 
 import uvicorn
 
@@ -55,7 +56,7 @@ class _BlackHole(asyncio.Protocol):
         pass
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._conns.discard(self._transport)  # type: ignore[arg-type]
+        self._conns.discard(self._transport)
 
 
 class Listener:
@@ -107,8 +108,11 @@ class Listener:
 
     async def open(self) -> None:
         config = self.server.config
+        # uvicorn annotates this as ``type[asyncio.Protocol]``, but its protocol classes take
+        # (config, server_state, app_state), which is how uvicorn itself builds them.
+        protocol_class = cast(Callable[..., asyncio.Protocol], config.http_protocol_class)
         factory = functools.partial(
-            config.http_protocol_class,
+            protocol_class,
             config=config,
             server_state=self.server.server_state,
             app_state=self.server.lifespan.state,

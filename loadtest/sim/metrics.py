@@ -168,7 +168,7 @@ class SimMetrics:
         ).labels(*lv)
 
         def phase(name: str, doc: str) -> Histogram:
-            return hist(name, doc, REQUEST_TIME_BUCKETS).labels(*lv)  # type: ignore[no-any-return]
+            return hist(name, doc, REQUEST_TIME_BUCKETS).labels(*lv)
 
         self.h_e2e = phase(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .generate import Output
@@ -91,7 +91,7 @@ class _Waiting:
     def __len__(self) -> int:
         return len(self._sorted) if self._by_priority else len(self._fifo)
 
-    def __iter__(self) -> Iterable[EngineRequest]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[EngineRequest]:
         return (e[3] for e in self._sorted) if self._by_priority else iter(self._fifo)
 
     def push(self, req: EngineRequest, *, front: bool = False) -> None:

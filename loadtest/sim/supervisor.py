@@ -196,11 +196,11 @@ class Supervisor:
     ) -> None:
         """``specs``: a :class:`SimSpec` or a bare argument list (named by its ``--name``, else
         ``sim-<index>``) per simulator. ``stderr``: where their logs go (default: ours)."""
-        specs = [s if isinstance(s, SimSpec) else _spec(i, s) for i, s in enumerate(specs)]
-        names = [s.name for s in specs]
+        resolved = [s if isinstance(s, SimSpec) else _spec(i, s) for i, s in enumerate(specs)]
+        names = [s.name for s in resolved]
         if len(set(names)) != len(names):
             raise ValueError(f"simulator names must be unique: {names}")
-        self._children = [_Child(s, python, env, stderr) for s in specs]
+        self._children = [_Child(s, python, env, stderr) for s in resolved]
         self._started = False
 
     def start(self, timeout_s: float = 30.0) -> dict[str, str]:

@@ -154,7 +154,7 @@ class Replica:
         so that the replica holds about ``weight`` of a warm peer's share.
         """
         if self.stats.stale and self.stats.at is not None:
-            raw = self.in_flight + self.remote_in_flight + self.config.max_in_flight
+            raw: float = self.in_flight + self.remote_in_flight + self.config.max_in_flight
         else:
             raw = self.in_flight + self.remote_in_flight + self.stats.waiting
         if self.weight < 1.0:

@@ -181,5 +181,5 @@ def model_cards(body: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(body, Mapping) or not isinstance(body.get("data"), list):
         raise ValueError("not a model list")
     return {
-        m["id"]: m for m in body["data"] if isinstance(m, Mapping) and isinstance(m.get("id"), str)
+        m["id"]: m for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
     }

@@ -304,7 +304,7 @@ def profile_request(
         text_tokens = math.ceil(chars / estimator.ratio(model))
     max_tokens = _max_tokens(body)
     return Profile(
-        kind=kind,
+        kind="chat" if kind == "chat" else "completion",  # narrowed: any other kind raised above
         model=model,
         stream=body.get("stream") is True,
         prompt_chars=chars,

@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
 from proxy.config import RateLimitsConfig, RedisConfig
 from proxy.routing.ratelimit import RateLimiter
@@ -358,7 +360,11 @@ class RedisState:
 
     async def _heartbeat(self) -> None:
         assert self._view is not None
-        counts = {url: n for url, n in self._view.in_flight().items() if n > 0}
+        # Typed as redis-py's field mapping: its key type is invariant, so a dict[str, int]
+        # would not be accepted as the hash's fields below.
+        counts: dict[FieldT, EncodableT] = {
+            url: n for url, n in self._view.in_flight().items() if n > 0
+        }
         key = self._inflight_prefix + self.instance
         ttl_ms = max(1, int(self.config().ttl_s * 1000))
 
@@ -374,7 +380,12 @@ class RedisState:
         await self._call(write, "heartbeat")
 
     async def _refresh_load(self) -> None:
-        ids = await self._call(lambda: self._redis.smembers(self._instances_key), "instances")
+        # The client decodes replies (``decode_responses=True`` in redislink.connect); redis-py's
+        # annotations say ``bytes | str`` whatever the client was built with.
+        ids = cast(
+            "set[str]",
+            await self._call(lambda: self._redis.smembers(self._instances_key), "instances"),
+        )
         others = sorted(i for i in ids if i != self.instance)
 
         async def read() -> list[Any]:
@@ -389,8 +400,10 @@ class RedisState:
         )
         for gone in dead:
             await self._call(
-                lambda gone=gone: self._prune(
-                    keys=[self._inflight_prefix + gone, self._instances_key], args=[gone]
+                functools.partial(
+                    self._prune,
+                    keys=[self._inflight_prefix + gone, self._instances_key],
+                    args=[gone],
                 ),
                 "prune",
             )
