@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import uvicorn
@@ -87,16 +87,18 @@ class CoalescingCycle(RequestResponseCycle):
     another: two TCP segments, and on a busy host two wake-ups of the client before it sees
     any content. Relayed responses always have their first chunk in hand when they start."""
 
-    async def send(self, message: Message) -> None:
+    # uvicorn types ``send`` with its own event TypedDicts; an ASGI app hands us any message
+    # mapping (starlette's ``Message``), and ours carry the START_WITH_BODY keys besides.
+    async def send(self, message: Message) -> None:  # type: ignore[override]
         body = message.get(START_BODY)
         if body is None:
-            await super().send(message)
+            await super().send(cast(Any, message))
             return
         transport = self.transport
         capture = _Capture(transport)
         self.transport = capture  # type: ignore[assignment]
         try:
-            await super().send(message)
+            await super().send(cast(Any, message))
             more = bool(message.get(START_MORE_BODY, False))
             await super().send({"type": "http.response.body", "body": body, "more_body": more})
         finally:
@@ -402,7 +404,9 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             return
         self._refuse("malformed")
 
-    def eof_received(self) -> bool | None:
+    # asyncio's contract: returning True keeps the transport half-open (uvicorn's own
+    # annotation says None, as it never does).
+    def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._phase is LINGER:
             self.transport.close()  # the client read its refusal and left
         return None
@@ -447,7 +451,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             hook = ClientGoneHook()
             ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook}
             theirs = self.scope.get("extensions")
-            self.scope["extensions"] = {**theirs, **ours} if theirs else ours
+            self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
             # Every request of the connection not answered yet: with pipelining, the one
             # running is no longer ``self.cycle`` (the last one parsed) when the client leaves.
             live = [(c, h) for c, h in self._hooks if not c.response_complete]
@@ -529,7 +533,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._hooks = []
 
 
-def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.Config:
+def uvicorn_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
@@ -543,7 +547,7 @@ def uvicorn_config(app: object, host: str, port: int, **kw: object) -> uvicorn.C
         timeout_keep_alive=30,
         server_header=False,  # the answer is the replica's: no "server: uvicorn" added
         backlog=4096,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
@@ -623,7 +627,7 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
     config = uvicorn_config(
         app, policy.server.host, policy.server.port, timeout_graceful_shutdown=1.0
     )
-    server = GatewayServer(config, app.gateway)
+    server = GatewayServer(config, cast(Gateway, app.gateway))  # create_app built a Gateway
     _check_fd_limit(policy.server.max_connections)
     log.info(
         "tokenlane listening on http://%s:%d (%d pools, %d lanes)",

@@ -104,7 +104,9 @@ def not_generating(p: Progress, stale: bool, ever_scraped: bool, interval_s: flo
 
 class Watched(Protocol):
     last_progress: float
-    content_sent: bool
+
+    @property
+    def content_sent(self) -> bool: ...
 
 
 W = TypeVar("W", bound=Watched)

@@ -90,7 +90,9 @@ class StreamWatch(Protocol):
     """
 
     last_progress: float
-    content_sent: bool
+
+    @property
+    def content_sent(self) -> bool: ...
 
     def interrupt(self, reason: str) -> None: ...
 

@@ -126,7 +126,9 @@ class Relay:
         has_room = self.admission.has_room  # counts slots handed to queued requests
         for pool_name in (lane.pool, lane.spill_to):
             # A request keeps the lane it started with; a reload may have removed its pool.
-            pool = fleet.pools.get(pool_name) if pool_name is not None else None
+            if pool_name is None:
+                continue
+            pool = fleet.pools.get(pool_name)
             if pool is None:
                 continue
             cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
@@ -259,9 +261,10 @@ class Relay:
         if call.query:
             url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
         else:
-            url = self._urls.get((replica.url, call.path))
-            if url is None:
-                url = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
+            cached = self._urls.get((replica.url, call.path))
+            if cached is None:
+                cached = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
+            url = cached
         # Built directly, with the body as a ready stream: a fifth of the cost of
         # ``content=`` (which copies headers twice to add Host and Content-Length; the
         # transport adds both from the URL and the bytes) and of client.build_request().
