@@ -733,8 +733,10 @@ def test_dockerfile_runs_the_gateway_as_non_root_with_a_health_check() -> None:
     assert ("COPY", "config/policy.compose.yaml /etc/tokenlane/policy.yaml") in stage
     installs = [args for k, args in dockerfile_instructions() if k == "RUN" and "pip" in args]
     assert any(
-        re.search(r"pip install (--\S+ )*'?\.(\[tokenizer\])?'?$", args) for args in installs
+        re.search(r"pip install (-{1,2}\S+ )*(constraints\.txt )?'?\.(\[tokenizer\])?'?$", args)
+        for args in installs
     )
+    assert any("-c constraints.txt" in args for args in installs)  # the versions CI tested
 
 
 def copied_sources() -> list[str]:
