@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import httpx
 import pytest
+import yarl
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import (
     UpstreamClosed,
@@ -161,6 +163,11 @@ def _conn_key() -> object:
     return SimpleNamespace(ssl=False, host="127.0.0.1", port=1)
 
 
+# What aiohttp attaches to a response error: its __str__ reads the URL from it.
+REQUEST_INFO = aiohttp.RequestInfo(
+    yarl.URL("http://replica.test/v1/completions"), "POST", CIMultiDictProxy(CIMultiDict())
+)
+
 SEND_TABLE = [
     (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
     (aiohttp.ConnectionTimeoutError("connect"), UpstreamUnreached),
@@ -168,7 +175,7 @@ SEND_TABLE = [
     (aiohttp.ServerDisconnectedError(), UpstreamClosed),
     (aiohttp.ClientOSError(104, "reset"), UpstreamClosed),
     (aiohttp.ClientPayloadError("cut"), UpstreamNotHttp),
-    (aiohttp.ClientResponseError(None, (), message="bad status line"), UpstreamNotHttp),  # type: ignore[arg-type]
+    (aiohttp.ClientResponseError(REQUEST_INFO, (), message="bad status line"), UpstreamNotHttp),
 ]
 READ_TABLE = [
     (aiohttp.SocketTimeoutError("read"), UpstreamReadTimeout),
@@ -214,3 +221,9 @@ def test_the_root_cause_is_the_innermost_text() -> None:
             raise aiohttp.ClientOSError(111, "Cannot connect") from inner
     except aiohttp.ClientOSError as exc:
         assert upstream.root_cause(exc) == "[Errno 111] Connection refused"
+
+
+def test_a_cause_whose_text_cannot_be_made_is_named_by_its_type() -> None:
+    # aiohttp's ClientResponseError.__str__ reads request_info, which may be missing.
+    exc = aiohttp.ClientResponseError(None, (), message="bad status line")  # type: ignore[arg-type]
+    assert upstream.root_cause(exc) == "ClientResponseError"

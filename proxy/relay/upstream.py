@@ -104,7 +104,10 @@ def root_cause(exc: BaseException) -> str:
         if nxt is None or nxt is cause:
             break
         cause = nxt
-    text = str(cause) or type(cause).__name__
+    try:
+        text = str(cause) or type(cause).__name__
+    except Exception:  # a library's __str__ may itself fail on a half-built exception
+        text = type(cause).__name__
     return text[:200]
 
 
