@@ -186,7 +186,7 @@ async def test_stop_when_cuts_requests_in_flight_and_leaves_later_ones_unsent():
         elapsed = asyncio.get_running_loop().time() - started
         # the cut stream's connection closes, its generator ends
         await wait_until(lambda: fake.in_flight == 0, what="the fake's streams end")
-    assert elapsed < 2.5  # well before the third arrival
+    assert elapsed < 4.5  # before the third arrival (5 s), wide for a paused VM
     assert results[1].outcome == HTTP_ERROR
     assert results[0].outcome == INCOMPLETE and results[0].error == STOPPED_EARLY
     assert results[2].outcome == PENDING

@@ -30,8 +30,8 @@ async def test_a_streamed_transcription_arrives_before_upstream_sends_its_last()
     async with running(tokens=10, interval_s=0.1) as up:  # an event every 100 ms: ~1 s
         async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
             async with httpx.AsyncClient(timeout=10) as client:
-                started = time.monotonic()
-                first_at = None
+                before = up.stats.bytes_written
+                written_at_first = None
                 texts = []
                 async with client.stream(
                     "POST", url + "/v1/audio/transcriptions", **transcription_form(stream="true")
@@ -40,14 +40,15 @@ async def test_a_streamed_transcription_arrives_before_upstream_sends_its_last()
                     assert resp.headers["content-type"].startswith("text/event-stream")
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
-                            first_at = first_at or time.monotonic()
+                            if written_at_first is None:
+                                written_at_first = up.stats.bytes_written - before
                             texts.append(content_of(line))
-                ended = time.monotonic()
-    assert first_at is not None
-    # Relayed whole, everything would arrive at the end; relayed as it comes, the first event
-    # arrives ~9 events (~0.9 s) before the last.
-    assert ended - first_at > 0.5
-    assert first_at - started < 0.5
+                written = up.stats.bytes_written - before
+    assert written_at_first is not None
+    # Relayed whole, everything would arrive once upstream sent its last; relayed as it comes,
+    # the first event arrives while most are still to be sent (counted in bytes, not in time,
+    # which a paused machine stretches).
+    assert written_at_first < written / 2, (written_at_first, written)
     assert "".join(texts) == "".join(f" tok{i}" for i in range(10))
 
 
@@ -86,7 +87,8 @@ async def test_a_whole_passthrough_answer_keeps_its_content_length() -> None:
 
 
 async def test_client_disconnect_mid_passthrough_closes_the_upstream_within_a_second() -> None:
-    async with running(tokens=200, interval_s=0.05) as up:
+    # A 30 s stream: closed within the bound below, it was the client's leaving that closed it.
+    async with running(tokens=600, interval_s=0.05) as up:
         async with running_gateway(policy_for({"p": [up.url]})) as (url, app):
             async with httpx.AsyncClient(timeout=10) as client:
                 async with client.stream(
@@ -100,7 +102,8 @@ async def test_client_disconnect_mid_passthrough_closes_the_upstream_within_a_se
                 closed_at = time.monotonic()
             await wait_until(lambda: up.stats.disconnects, what="upstream hears the disconnect")
             assert up.stats.disconnects == 1
-            assert up.stats.disconnected_at[0] - closed_at < 1.0
+            # Nominally within milliseconds; the slack is for a paused machine.
+            assert up.stats.disconnected_at[0] - closed_at < 5.0
             replica = next(app.gateway.fleet.replicas())
             await wait_until(lambda: replica.in_flight == 0, what="the replica's slot freed")
             assert replica.in_flight == 0

@@ -34,22 +34,22 @@ async def test_first_content_reaches_the_client_before_upstream_sends_its_last()
     async with running(tokens=50, interval_s=0.02) as up:  # a token every 20 ms: ~1 s
         async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
             async with httpx.AsyncClient(timeout=10) as client:
-                started = time.monotonic()
-                first_content_at = None
+                before = up.stats.bytes_written
+                written_at_first = None
                 async with client.stream(
                     "POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}
                 ) as resp:
                     assert resp.status_code == 200
                     async for line in resp.aiter_lines():
-                        if line.startswith("data: {") and first_content_at is None:
+                        if line.startswith("data: {") and written_at_first is None:
                             if content_of(line.encode()):
-                                first_content_at = time.monotonic()
-                ended = time.monotonic()
-    assert first_content_at is not None
-    # Buffering would deliver everything at the end; streaming delivers the first token
-    # ~49 tokens (~1 s) before the last.
-    assert ended - first_content_at > 0.5
-    assert first_content_at - started < 0.5
+                                written_at_first = up.stats.bytes_written - before
+                written = up.stats.bytes_written - before
+    assert written_at_first is not None
+    # Buffering would deliver everything once upstream sent its last; streaming delivers the
+    # first token while most of the stream is still to come (counted in bytes, not in time,
+    # which a paused machine stretches).
+    assert written_at_first < written / 2, (written_at_first, written)
 
 
 async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:
@@ -72,7 +72,8 @@ async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:
 
 
 async def test_client_disconnect_closes_the_upstream_within_a_second() -> None:
-    async with running(tokens=500, interval_s=0.02) as up:
+    # A 30 s stream: closed within the bound below, it was the client's leaving that closed it.
+    async with running(tokens=1500, interval_s=0.02) as up:
         async with running_gateway(policy_for({"p": [up.url]})) as (url, app):
             async with httpx.AsyncClient(timeout=10) as client:
                 async with client.stream(
@@ -86,10 +87,11 @@ async def test_client_disconnect_closes_the_upstream_within_a_second() -> None:
                 closed_at = time.monotonic()
             await wait_until(lambda: up.stats.disconnects, what="upstream hears the disconnect")
             assert up.stats.disconnects == 1
-            assert up.stats.disconnected_at[0] - closed_at < 1.0
+            # Nominally within milliseconds; the slack is for a paused machine.
+            assert up.stats.disconnected_at[0] - closed_at < 5.0
             # The replica's slot is free again.
             replica = next(app.gateway.fleet.replicas())
-            assert replica.in_flight == 0
+            await wait_until(lambda: replica.in_flight == 0, what="the replica's slot freed")
 
 
 async def test_client_disconnect_of_a_plain_request_cancels_it_upstream() -> None:
@@ -327,6 +329,11 @@ async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_p
                     b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(big), big)
                 )
+                # Proof the stalled stream is under way and its upstream writer already held
+                # back, before the others are timed against it.
+                await wait_until(
+                    lambda: up.stats.drain_waits > 0, what="the stalled stream's upstream held back"
+                )
                 t0 = time.monotonic()
                 gaps = []
                 while time.monotonic() - t0 < 5.0:
@@ -336,7 +343,9 @@ async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_p
                 sock.close()
     finally:
         await up.stop()
-    assert max(gaps) < 1.0, "other streams stopped flowing"
+    # Held up behind the stalled one, the others would stop for the whole 5 s; a paused
+    # machine alone stops them for well under 3.
+    assert max(gaps) < 3.0, f"other streams stopped flowing ({max(gaps):.1f}s)"
     assert grown < 5 * 1024 * 1024, f"gateway grew {grown / 2**20:.1f} MiB"
     # Unheld, the fake would have written the whole 100 MB in well under 5 s.
     assert up.stats.drain_waits > 0
@@ -442,7 +451,7 @@ async def test_first_token_timeout_counts_from_the_attempt_not_from_the_status_l
                 health={"interval_s": 60},
             )
             async with running_gateway(policy) as (url, _):
-                slow.headers_delay_s = 5.0
+                slow.headers_delay_s = 10.0
                 async with httpx.AsyncClient(timeout=10) as client:
                     for _ in range(2):  # round robin: one of them tries the slow one first
                         started = time.monotonic()
@@ -451,7 +460,7 @@ async def test_first_token_timeout_counts_from_the_attempt_not_from_the_status_l
                         )
                         assert r.status_code == 200
                         assert r.headers["x-tokenlane-replica"] == f"127.0.0.1:{fast.port}"
-                        assert time.monotonic() - started < 3.0
+                        assert time.monotonic() - started < 6.0  # not the 10 s
     finally:
         await slow.stop()
 

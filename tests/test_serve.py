@@ -175,7 +175,7 @@ async def connect(url: str) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio
 async def exchange(url: str, *requests: bytes) -> list[Response]:
     """Each request in turn on one keep-alive connection."""
     answers = []
-    async with asyncio.timeout(5), connect(url) as (reader, writer):
+    async with asyncio.timeout(30), connect(url) as (reader, writer):
         for request in requests:
             writer.write(request)
             answers.append(await read_response(reader))
@@ -304,7 +304,7 @@ async def test_start_with_body_honours_connection_close() -> None:
         await send_start_with_body(scope, send, [], b"bye", more_body=False)
 
     async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
-        async with asyncio.timeout(5), connect(url) as (reader, writer):
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
             writer.write(get("/", "connection: close"))
             answer = await read_response(reader)
             assert await reader.read() == b""  # the server closed after the response
@@ -318,7 +318,7 @@ async def test_pipelined_requests_each_get_the_start_with_body() -> None:
         await send_start_with_body(scope, send, [], body, more_body=False)
 
     async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
-        async with asyncio.timeout(5), connect(url) as (reader, writer):
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
             writer.write(get("/a") + get("/b") + get("/c"))  # one segment, three requests
             answers = [await read_response(reader) for _ in range(3)]
     assert [a.body for a in answers] == [b"/a", b"/b", b"/c"]
@@ -391,7 +391,7 @@ async def test_client_closing_while_the_app_waits_fires_the_callback_once(
 ) -> None:
     app = Waiting(respond_first=respond_first)
     async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             reader, writer = await asyncio.open_connection(*address(url))
             writer.write(get())
             await app.waiting.wait()
@@ -403,7 +403,8 @@ async def test_client_closing_while_the_app_waits_fires_the_callback_once(
             closed_at = time.monotonic()
             await wait_until(lambda: bool(app.fired), what="bool(app.fired)")
             assert len(app.fired) == 1
-            assert app.fired[0] - closed_at < 1.0
+            # Well before the app would end on its own; wide for a paused VM.
+            assert app.fired[0] - closed_at < 5.0
             await asyncio.sleep(0.1)  # nothing fires it again
     assert len(app.fired) == 1
 
@@ -419,7 +420,7 @@ async def test_client_closing_after_a_complete_response_fires_no_callback() -> N
     async with serve_app(asgi(app), http=recording(NoDelayHttpToolsProtocol, recorder)) as url:
         answers = await exchange(url, get("/a"), get("/b"))  # then the client closes
         assert [a.body for a in answers] == [b"done", b"done"]
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             await recorder.lost.wait()
         await asyncio.sleep(0.05)
     assert fired == []
@@ -446,7 +447,7 @@ async def test_client_closing_fires_only_the_callback_of_the_request_in_progress
             await asyncio.wait_for(wake.wait(), 10)
 
     async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
-        async with asyncio.timeout(5), connect(url) as (reader, writer):
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
             writer.write(get("/done"))
             assert (await read_response(reader)).body == b"done"
             writer.write(get("/waits"))
@@ -481,7 +482,7 @@ async def test_the_running_request_hears_of_the_client_leaving_with_another_pipe
             await send({"type": "http.response.body", "body": b"data: more\n\n", "more_body": True})
 
     async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             reader, writer = await asyncio.open_connection(*address(url))
             writer.write(get("/running") + get("/queued"))
             await waiting.wait()
@@ -490,7 +491,7 @@ async def test_the_running_request_hears_of_the_client_leaving_with_another_pipe
             writer.close()
             closed_at = time.monotonic()
             await wait_until(lambda: bool(fired), what="bool(fired)")
-            assert time.monotonic() - closed_at < 1.0
+            assert time.monotonic() - closed_at < 5.0  # the stream would run 10 s
     assert fired == ["/running"]
 
 
@@ -536,7 +537,7 @@ async def test_gateway_under_plain_uvicorn_closes_the_upstream_when_the_client_l
             closed_at = time.monotonic()
         await wait_until(lambda: up.stats.disconnects > 0, what="up.stats.disconnects > 0")
         assert up.stats.disconnects == 1
-        assert up.stats.disconnected_at[0] - closed_at < 1.0
+        assert up.stats.disconnected_at[0] - closed_at < 5.0  # the stream would run 10 s
         replica = next(app.gateway.fleet.replicas())
         await wait_until(lambda: replica.in_flight == 0, what="replica.in_flight == 0")
         assert replica.in_flight == 0

@@ -66,7 +66,7 @@ async def _reachable(url: str) -> bool:
 
 @pytest.fixture
 async def client():
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=60) as c:
         yield c
 
 
@@ -103,7 +103,8 @@ async def test_slow_multiplies_every_step(client):
         return time.perf_counter() - t0
 
     async with run_sim(SETTINGS) as s:
-        normal = await duration(s)
+        # The fastest of three: a pause of the machine can only lengthen a run.
+        normal = min([await duration(s) for _ in range(3)])
         await s.set_fault({"fault": "slow", "factor": 6})
         slow = await duration(s)
     assert slow > 2.5 * normal
@@ -145,7 +146,7 @@ async def test_refuse_closes_the_port_until_duration_passes(client):
         await wait_until(lambda: _refused(s.url), what="the port refuses", poll=0.02)
         t0 = time.monotonic()
         await wait_until(lambda: _reachable(s.url), what="the port answers again", poll=0.02)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 10  # lifted by its timer, wide for a paused VM
         assert (await client.get(s.url + "/sim/fault")).json() == {"fault": None}
 
 

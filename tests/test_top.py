@@ -24,6 +24,10 @@ from .servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Between two cells of a table row: spaces and the column rule rich draws ("│", "┃" or "|").
+CELL = r"[ │┃|]+"
+# A screen is a few kilobytes: each look at the output goes this far back before the new bytes.
+SCREEN_BYTES = 64 * 1024
 
 
 @pytest.mark.parametrize(
@@ -110,6 +114,7 @@ class Terminal:
         os.close(slave)
         self.master = master
         self.raw = b""
+        self.ended = False  # the command's output reached its end: it exited
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -124,22 +129,34 @@ class Terminal:
             with self.changed:
                 self.raw += chunk
                 self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
 
     @property
     def text(self) -> str:
-        return ANSI.sub("", self.raw.decode(errors="replace"))
+        return self._text_from(0)
+
+    def _text_from(self, start: int) -> str:
+        return ANSI.sub("", self.raw[start:].decode(errors="replace"))
 
     def wait_for(self, pattern: str, timeout_s: float = 180.0) -> str:
-        """Until the output matches ``pattern``; returns the output. Generous: the command
-        starts a Python interpreter, slow on a loaded machine."""
+        """Until the output matches ``pattern``; returns the latest screen. Generous: the
+        command starts a Python interpreter, slow on a loaded machine. Only the bytes since the
+        last look (and a screen before them) are searched: the live view redraws 4 times a
+        second, and searching the whole history each time would starve the reader."""
         deadline = time.monotonic() + timeout_s
+        seen = 0
         with self.changed:
-            while not re.search(pattern, self.text):
+            while True:
+                start = max(0, seen - SCREEN_BYTES)
+                seen = len(self.raw)
+                if re.search(pattern, self._text_from(start)):
+                    return self._text_from(max(0, seen - SCREEN_BYTES))
                 left = deadline - time.monotonic()
                 assert left > 0, f"{pattern!r} never shown; screen:\n{self.text[-3000:]}"
-                assert self.proc.poll() is None or re.search(pattern, self.text), self.text[-3000:]
+                assert not self.ended, f"exited before {pattern!r}:\n{self.text[-3000:]}"
                 self.changed.wait(min(left, 0.5))
-        return self.text
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -178,7 +195,7 @@ async def test_top_shows_a_stalled_replica_ejected_with_an_admin_token() -> None
                 bare.close()
             term = Terminal("--url", url, "--admin-token", token)
             try:
-                await asyncio.to_thread(term.wait_for, r"fast-0\s+healthy")
+                await asyncio.to_thread(term.wait_for, rf"fast-0{CELL}healthy")
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                     await fast.set_fault({"fault": "stall"})
                     body = {
@@ -187,9 +204,9 @@ async def test_top_shows_a_stalled_replica_ejected_with_an_admin_token() -> None
                     }  # fmt: skip
                     r = await client.post("/v1/chat/completions", json=body)
                     assert r.status_code == 200
-                screen = await asyncio.to_thread(term.wait_for, r"fast-0\s+ejected\s+stall")
-                assert re.search(r"bulk-0\s+healthy", screen)
-                assert re.search(r"short\s+[\d.]+\s+0/\d+", screen)  # the lanes table
+                screen = await asyncio.to_thread(term.wait_for, rf"fast-0{CELL}ejected{CELL}stall")
+                assert re.search(rf"bulk-0{CELL}healthy", screen)
+                assert re.search(rf"short{CELL}[\d.]+{CELL}0/\d+", screen)  # the lanes table
                 await fast.set_fault(None)
             finally:
                 term.close()

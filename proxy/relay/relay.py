@@ -88,6 +88,14 @@ _STATUS_FAULTS = {
 }
 
 
+# Why retrying stopped, when a policy bound stopped it: the client and the access line say so.
+_STOPPED_BECAUSE: dict[RetryDecision, str] = {
+    RetryDecision.ATTEMPTS_SPENT: " (retry.max_attempts reached)",
+    RetryDecision.DEADLINE_PASSED: " (the request's retry.deadline_s passed)",
+    RetryDecision.BUDGET_SPENT: " (the retry budget, retry.budget_ratio, is spent)",
+}
+
+
 class Relay:
     def __init__(
         self,
@@ -233,7 +241,8 @@ class Relay:
                     headers={"retry-after": "1"},
                 )
             raise UpstreamFailed(
-                f"no replica could serve the request after {attempts} attempt(s): {last.detail}"
+                f"no replica could serve the request after {attempts} attempt(s)"
+                f"{_STOPPED_BECAUSE.get(decision, '')}: {last.detail}"
             )
         finally:
             self.requests_in_flight -= 1
