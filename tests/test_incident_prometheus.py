@@ -37,9 +37,17 @@ ALERTS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_tex
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMES = {"fast-0": "interactive", "bulk-0": "bulk", "bulk-1": "bulk"}
 SHORT_RATE_S = 5  # the rate window of the "now" checks (stall signature)
+# The long lane's prompt: a few hundred characters, so its estimate is mostly text. A two-word
+# message is dominated by the model's template (Qwen2.5 adds its default system prompt, ~26
+# tokens the gateway cannot know of), and its estimated/reported ratio says nothing of the
+# estimator.
+PROMPT = " ".join(
+    f"Line {i}: summarise the quarterly report for the northern region in plain words."
+    for i in range(6)
+)
 
 
-def chat(content: str = "hi", *, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+def chat(content: str = PROMPT, *, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
@@ -61,7 +69,6 @@ class Incident:
     alerts: list[dict[str, Any]] = field(default_factory=list)
     sim_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
     admin: list[dict[str, Any]] = field(default_factory=list)
-    stalled_pending: bool = False
     sim_preemptions: dict[str, float] = field(default_factory=dict)
 
     def count(self, pred: Callable[[str, int, str], bool]) -> int:
@@ -135,7 +142,14 @@ async def run_incident(tmp: Path) -> Incident:
                 },
                 {"name": "long", "pool": "bulk", "ttft_slo_s": 10, "max_queue": 64},
             ],
-            health={"interval_s": 0.25, "stall_after_s": 1.5, "eject_base_s": 300},
+            # A probe's timeout and the stall span far above a loaded machine's pauses (the
+            # simulators share the gateway's loop): only fast-0's deadlock ejects anything.
+            health={
+                "interval_s": 0.25,
+                "timeout_s": 5,
+                "stall_after_s": 3,
+                "eject_base_s": 300,
+            },
         )
         for pool in policy["pools"].values():
             for replica in pool["replicas"]:
@@ -188,7 +202,7 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
 
         # 1. ordinary traffic on both lanes
         for _ in range(4):
-            for lane, body in (("short", chat(stream=True)), ("long", chat())):
+            for lane, body in (("short", chat("hi", stream=True)), ("long", chat())):
                 r = await send(lane, body)
                 assert r.status_code == 200, (lane, r.status_code, r.text)
         # 2. one retry: bulk-1 answers 503 to everything, round robin sends it one of two
@@ -206,10 +220,13 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         for _ in range(2):
             r = await send("long", chat())
             assert r.status_code == 200 and r.headers["x-tokenlane-replica"] == "bulk-0"
-        # 5. a stall: fast-0 freezes with a request running; the gateway ejects it (stall),
-        # rescues the request onto the bulk pool (a retry and a spill), and the lane spills.
-        await sims["fast-0"].set_fault({"fault": "stall"})
-        rescued = asyncio.create_task(send("short", chat(stream=True, max_tokens=64)))
+        # 5. a stall: fast-0 freezes with a request running (the deadlock begins as its first
+        # token is due: a request arriving after a stall began would never reach the engine);
+        # the gateway ejects it (stall), rescues the request onto the bulk pool (a retry and a
+        # spill), and the lane spills. fast-0 generates nothing from here on.
+        stalled_at = time.time()
+        await sims["fast-0"].set_fault({"fault": "stall", "after_tokens": 0})
+        rescued = asyncio.create_task(send("short", chat("hi", stream=True, max_tokens=64)))
 
         async def fast_ejected() -> bool:
             rows = (await client.get("/admin/replicas")).json()["replicas"]
@@ -218,7 +235,7 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         await until(fast_ejected, 30, "fast-0 ejected for its stall")
         assert (await rescued).status_code == 200
         for _ in range(2):
-            r = await send("short", chat(stream=True))
+            r = await send("short", chat("hi", stream=True))
             assert r.status_code == 200 and r.headers["x-tokenlane-replica"] == "bulk-0"
         inc.admin = (await client.get("/admin/replicas")).json()["replicas"]
 
@@ -228,22 +245,13 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
             "prompt": await sim_counter(sim.url, "vllm:prompt_tokens_total"),
         }
 
-    # The stalled replica's pending alert, if the simulator's stall is a true deadlock (its
-    # running requests stay running after the gateway's aborts).
-    async def stalled_pending() -> bool:
-        alerts = await asyncio.to_thread(prom.alerts)
-        return any(a["labels"]["alertname"] == "TokenlaneReplicaStalled" for a in alerts)
-
-    deadline = time.monotonic() + SHORT_RATE_S + 5
-    while time.monotonic() < deadline and not inc.stalled_pending:
-        inc.stalled_pending = await stalled_pending()
-        await asyncio.sleep(0.5)
     inc.sim_preemptions = {
         n: await sim_counter(s.url, "vllm:num_preemptions_total") for n, s in sims.items()
     }
-    # Settled: every target scraped (successfully) after the last event; everything is then
-    # evaluated at that one instant, however long the queries take on a loaded machine.
-    t_end = time.time()
+    # Settled: every target scraped (successfully) after the last event, and the "now" window
+    # wholly after fast-0 froze; everything is then evaluated at that one instant, however long
+    # the queries take on a loaded machine.
+    t_end = max(time.time(), stalled_at + SHORT_RATE_S)
 
     async def settled() -> bool:
         up = await _q(prom, "up")
@@ -326,7 +334,8 @@ def check_panel(inc: Incident, stem: str, title: str, ref: str, expr: str) -> Ro
             v = values(res).get((), math.nan)
             exp, got, ok = f"2/{total} = {2 / total:.3f}", f"{v:.3f}", abs(v - 2 / total) < 0.02
         case ("tokenlane-ejections", "Ejections by replica and reason", _):
-            exp, got, ok = counts_check(values(res, "pool", "replica", "reason"), ejections, w)
+            # increase() per interval, not a rate: read over the whole incident it is the count.
+            exp, got, ok = counts_check(values(res, "pool", "replica", "reason"), ejections, 1)
             ok = ok and len(res) == 7 * 4  # every replica x reason, at 0 or more
         case ("tokenlane-ejections", "Retries/s by lane and reason", _):
             exp, got, ok = counts_check(values(res, "lane", "reason"), retries, w)
@@ -338,11 +347,11 @@ def check_panel(inc: Incident, stem: str, title: str, ref: str, expr: str) -> Ro
             got_d = values(res, "replica")
             exp = "fast-0 running > 0 (stalled, not idle); bulk-0, bulk-1 listed"
             got = str(got_d)
-            ok = set(got_d) == set(NAMES) and (got_d["fast-0"] > 0 or not inc.stalled_pending)
+            ok = set(got_d) == {(n,) for n in NAMES} and got_d[("fast-0",)] > 0
         case ("tokenlane-ejections", "Stall signature: running vs generated tokens/s", "B"):
             got_d = values(now, "replica")
             exp, got = "fast-0 0 tokens/s now", str(got_d)
-            ok = set(got_d) == set(NAMES) and got_d["fast-0"] == 0
+            ok = set(got_d) == {(n,) for n in NAMES} and got_d[("fast-0",)] == 0
         case ("tokenlane-lanes", "TTFT p50 / p99 per lane against its SLO", "A" | "B"):
             exp, got, ok = quantiles(("lane",), {("short",), ("long",)})
         case ("tokenlane-lanes", "TTFT p50 / p99 per lane against its SLO", "C"):
@@ -403,7 +412,7 @@ def check_panel(inc: Incident, stem: str, title: str, ref: str, expr: str) -> Ro
             exp = "fast-0 > 0 (its stalled request), bulk-0 and bulk-1 0"
             got = str(got_d)
             ok = set(got_d) == {(n,) for n in NAMES} and got_d[("bulk-0",)] == 0
-            ok = ok and (got_d[("fast-0",)] > 0 or not inc.stalled_pending)
+            ok = ok and got_d[("fast-0",)] > 0
         case ("tokenlane-replicas", "vLLM running / waiting", "B"):
             got_d = values(res, "replica")
             exp, got = "0 for fast-0, bulk-0, bulk-1", str(got_d)
@@ -495,15 +504,20 @@ def test_every_panel_and_alert_shows_what_happened(incident: Incident) -> None:
     assert all(r.ok for r in rows), table
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the simulator's `stall` to be a true deadlock (aborts not processed, running "
-    "stays > 0): the continuation work in loadtest/sim makes it one",
-)
 def test_a_stalled_replica_shows_the_deadlock_signature(incident: Incident) -> None:
-    assert incident.stalled_pending, "TokenlaneReplicaStalled is not pending for fast-0"
-    expr = next(
-        e for s, t, r, e in dashboard_targets() if t.startswith("Stall signature") and r == "A"
+    """vLLM #37729 as Prometheus sees the simulator's deadlock: fast-0 keeps the request that
+    the gateway rescued elsewhere (and aborted on fast-0) running, and generates nothing.
+    TokenlaneReplicaStalled needs a minute of that before it is even pending, longer than the
+    incident: promtool tests its window and `for` (deploy/prometheus/alerts_test.yml)."""
+    running_expr, tokens_expr = (
+        next(
+            e for _, t, r, e in dashboard_targets() if t.startswith("Stall signature") and r == ref
+        )
+        for ref in "AB"
     )
-    running = values(incident.results[expr], "replica")
-    assert running[("fast-0",)] > 0, running
+    running = values(incident.results[running_expr], "replica")
+    assert running == {("fast-0",): 1, ("bulk-0",): 0, ("bulk-1",): 0}, running
+    tokens_now = values(incident.now_results[tokens_expr], "replica")
+    assert tokens_now[("fast-0",)] == 0, tokens_now
+    rescued = [r for r in incident.responses if r[0] == "short" and r[2].startswith("bulk")]
+    assert rescued and all(status == 200 for _, status, _ in rescued), incident.responses

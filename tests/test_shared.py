@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -95,6 +96,24 @@ def sync_rounds(*views: View) -> Callable[[], bool]:
     asserted."""
     marks = [len(v.loads) + 2 for v in views]
     return lambda: all(len(v.loads) >= m for v, m in zip(views, marks, strict=True))
+
+
+def calls_under_way(state: RedisState) -> Callable[[], int]:
+    """From now on, how many of ``state``'s Redis calls are under way (each is bounded by
+    ``timeout_ms``, so with Redis paused they all end)."""
+    call = state._call
+    count = 0
+
+    async def counted(*args: Any, **kw: Any) -> Any:
+        nonlocal count
+        count += 1
+        try:
+            return await call(*args, **kw)
+        finally:
+            count -= 1
+
+    state._call = counted  # type: ignore[method-assign]
+    return lambda: count
 
 
 @contextlib.asynccontextmanager
@@ -480,12 +499,16 @@ async def test_stale_transition_made_during_an_outage_does_not_undo_a_newer_ejec
     ):
         a.publish(ejected(reason="stall", ejections=1))
         await wait_until(lambda: vb.last(U1) is not None, what="b sees a's stall ejection")
+        a_calls = calls_under_way(a)
         redis_server.pause()
         try:
             with contextlib.suppress(Unavailable):
                 for _ in range(2):
                     await a.sync()
             await wait_until(lambda: not a.up, what="a cut off", timeout=30)
+            # A call a's loops began before the breaker opened would be answered once Redis
+            # resumes, and that answer closes the breaker: let each one time out first.
+            await wait_until(lambda: a_calls() == 0, what="a's calls under way timed out")
         finally:
             redis_server.resume()
         await wait_until(lambda: b.up, what="b back on Redis (the pause may have reached it)")
@@ -557,12 +580,18 @@ async def test_leased_limit_refusal_says_when_to_retry(redis_server: RedisServer
     async with instance(redis_server, name="a") as (a, _):
         limiter = a.rate_limiter(lambda: limits)
         verdicts = []
+        started = time.monotonic()
         for _ in range(60):
             verdicts.append(limiter.check("k", 1))
             await asyncio.sleep(0.01)
+        # The shared bucket refills while the loop runs (a loaded machine stretches it), and
+        # one batch may be spent on credit.
+        refill = (time.monotonic() - started) * 20 / 60
         refused = [v for v in verdicts if not v.allowed]
         assert refused, "the limit never bit"
-        assert sum(v.allowed for v in verdicts) <= 20 + 2
+        allowed = sum(v.allowed for v in verdicts)
+        assert allowed <= 20 + refill + batch_size(20), (allowed, refill)
+        print(f"allowed {allowed} of limit 20 (+{refill:.1f} refill)")
         last = refused[-1]
         assert last.retry_after_s > 0 and last.requests is not None
         assert last.headers()["x-ratelimit-limit-requests"] == "20"

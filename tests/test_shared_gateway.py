@@ -227,10 +227,14 @@ async def test_redis_paused_killed_and_restarted_under_load_fails_no_request(
     async with (
         run_sim(name="sim0") as s0,
         run_sim(name="sim1") as s1,
-        two_gateways([s0, s1], redis_server.url, rate_limits=limits) as (
-            (url_a, app_a),
-            (url_b, app_b),
-        ),
+        # Probes and the stall span far above a loaded machine's pauses (the simulators share
+        # the gateways' loop): no replica is ejected, so any failure is the outage's doing.
+        two_gateways(
+            [s0, s1],
+            redis_server.url,
+            rate_limits=limits,
+            health={"timeout_s": 5, "stall_after_s": 30},
+        ) as ((url_a, app_a), (url_b, app_b)),
     ):
         a, b = app_a.gateway, app_b.gateway
         both_up = lambda: a.shared.up and b.shared.up  # noqa: E731
@@ -242,12 +246,14 @@ async def test_redis_paused_killed_and_restarted_under_load_fails_no_request(
             try:
                 await wait_until(both_down, what="both fall back while Redis hangs", timeout=30)
                 sent = len(results)
-                await wait_until(lambda: len(results) >= sent + 12, what="load while it hangs")
+                await wait_until(lambda: len(results) >= sent + 6, what="load while it hangs")
             finally:
                 redis_server.resume()
             await wait_until(both_up, what="both back after resume")
             redis_server.kill()  # down, and everything it held is lost
             await wait_until(both_down, what="both fall back while Redis is down")
+            sent = len(results)
+            await wait_until(lambda: len(results) >= sent + 6, what="load while Redis is down")
             # An operator action during the outage: local on A until Redis returns.
             probes = b.shared.breaker.failures + 2  # type: ignore[attr-defined]
             await admin(url_a, "drain", url=s1.url)
@@ -270,7 +276,9 @@ async def test_redis_paused_killed_and_restarted_under_load_fails_no_request(
             text = (await client.get(url_a + "/metrics")).text
         assert "tokenlane_shared_state_up 1.0" in text
     failed = [r for r in results if r.outcome != OK]
-    assert len(results) > 50
+    # Each phase waited for its own requests (a count, not a rate: a loaded machine serves
+    # fewer per second), so every one of them is among these.
+    assert len(results) >= 12 + 6 + 6 + 6
     assert not failed, [(r.status, r.error) for r in failed][:5]
     print(f"{len(results)} requests across pause, kill and restart of Redis, 0 failed")
 
