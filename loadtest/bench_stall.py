@@ -64,6 +64,19 @@ def chat_body(i: int, max_tokens: int) -> bytes:
     ).encode()
 
 
+async def send_one(client: LoadClient, out: list[Sent], max_tokens: int) -> None:
+    """One streaming chat request, appended to ``out`` as it leaves and timed to its end."""
+    i = len(out)
+    result = RequestResult(
+        index=i, cls="chat", stream=True, prompt_tokens=0, max_tokens=max_tokens,
+        scheduled_s=0.0,
+    )  # fmt: skip
+    sent = Sent(time.monotonic(), result)
+    out.append(sent)
+    await client.send("/v1/chat/completions", chat_body(i, max_tokens), result)
+    sent.done_at = time.monotonic()
+
+
 async def closed_loop(
     base_url: str,
     workers: int,
@@ -78,15 +91,7 @@ async def closed_loop(
 
         async def worker() -> None:
             while not stop.is_set():
-                i = len(out)
-                result = RequestResult(
-                    index=i, cls="chat", stream=True, prompt_tokens=0, max_tokens=max_tokens,
-                    scheduled_s=0.0,
-                )  # fmt: skip
-                sent = Sent(time.monotonic(), result)
-                out.append(sent)
-                await client.send("/v1/chat/completions", chat_body(i, max_tokens), result)
-                sent.done_at = time.monotonic()
+                await send_one(client, out, max_tokens)
 
         await asyncio.gather(*(worker() for _ in range(workers)))
 

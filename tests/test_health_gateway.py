@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from loadtest.bench_stall import Sent, analyse, chat_body, closed_loop
+from loadtest.bench_stall import Sent, analyse, closed_loop, send_one
 from loadtest.client import LoadClient
 from loadtest.sim.server import Sim, run_sim
-from loadtest.stats import OK, RequestResult
+from loadtest.stats import OK
 from proxy.edge.routes import GatewayApp
 from proxy.fleet.fleet import EjectReason, Replica, ReplicaState
 
@@ -81,19 +81,7 @@ async def until_served(sent: list[Sent], n: int, since: float = 0.0) -> None:
 async def burst(url: str, n: int, out: list[Sent], max_tokens: int = 24) -> None:
     """``n`` streaming requests sent at once, recorded in ``out`` like the load's."""
     async with LoadClient(url, timeout_s=30, max_connections=n) as client:
-
-        async def one() -> None:
-            i = len(out)
-            result = RequestResult(
-                index=i, cls="chat", stream=True, prompt_tokens=0, max_tokens=max_tokens,
-                scheduled_s=0.0,
-            )  # fmt: skip
-            sent = Sent(time.monotonic(), result)
-            out.append(sent)
-            await client.send("/v1/chat/completions", chat_body(i, max_tokens), result)
-            sent.done_at = time.monotonic()
-
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(send_one(client, out, max_tokens) for _ in range(n)))
 
 
 class ScrapesAtEjection(logging.Handler):
