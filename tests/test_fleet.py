@@ -187,6 +187,10 @@ def test_health_check_ejects_after_threshold_failures_in_row(threshold: int) -> 
 @pytest.mark.parametrize("kind", ["connect", "reset", "upstream_5xx"])
 def test_consecutive_failures_eject_only_in_a_row(kind: str) -> None:
     fleet, _clock, _, r = all_healthy({"consecutive_failures": 3})
+    for peer in list(fleet.replicas())[1:]:  # peers serve fine: a 5xx run is r's own
+        for _ in range(3):
+            fleet.attempt_started(peer)
+            fleet.attempt_finished(peer, None)
     for outcome in [kind, kind, None, kind, kind]:
         fleet.attempt_started(r)
         fleet.attempt_finished(r, outcome)
@@ -543,3 +547,65 @@ def test_a_held_back_ejection_does_not_survive_a_remote_move_to_probing() -> Non
     clock.t += 1
     fleet.tick(r1, clock.t)
     assert r1.state is H  # not ejected for failures from before it proved itself
+
+
+# ---------------------------------------------------------------------------- poison and outage
+
+
+def served(fleet: Fleet, r: Replica, outcomes: list[str | None]) -> None:
+    for outcome in outcomes:
+        fleet.attempt_started(r)
+        fleet.attempt_finished(r, outcome)  # type: ignore[arg-type]
+
+
+def test_poison_requests_spread_over_the_pool_eject_nobody() -> None:
+    fleet, _clock, _, _r = all_healthy({"consecutive_failures": 5})
+    replicas = list(fleet.replicas())
+    for i in range(50):  # fifty poison requests, each answered 500 by whichever replica
+        served(fleet, replicas[i % 3], ["upstream_5xx"])
+    assert all(r.state is H and r.capped is None for r in replicas)
+
+
+def test_poison_on_one_replica_with_idle_peers_ejects_nobody() -> None:
+    fleet, _clock, _, r = all_healthy({"consecutive_failures": 5})
+    served(fleet, r, ["upstream_5xx"] * 50)
+    assert r.state is H  # no peer evidence: /health decides
+
+
+def test_a_replica_failing_what_its_peers_serve_is_ejected() -> None:
+    fleet, _clock, _, _r = all_healthy({"consecutive_failures": 5})
+    r0, r1, r2 = fleet.replicas()
+    served(fleet, r1, [None] * 4)
+    served(fleet, r2, [None] * 4)
+    served(fleet, r0, ["upstream_5xx"] * 4)
+    assert r0.state is H
+    served(fleet, r0, ["upstream_5xx"])
+    assert (r0.state, r0.reason) == (E, EjectReason.CONSECUTIVE_FAILURES)
+
+
+def test_an_uncounted_outcome_only_frees_the_slot() -> None:
+    fleet, _clock, _, r = all_healthy({"consecutive_failures": 3})
+    for peer in list(fleet.replicas())[1:]:
+        served(fleet, peer, [None] * 3)
+    for _ in range(10):
+        fleet.attempt_started(r)
+        fleet.attempt_finished(r, "upstream_5xx", counted=False)  # type: ignore[arg-type]
+    assert r.state is H and r.fivexx_in_row == 0 and r.in_flight == 0
+
+
+def test_total_outage_leaves_no_candidate_until_a_replica_answers_health() -> None:
+    fleet, clock, _m = make({"max_ejected_percent": 50})
+    r0, r1, r2 = fleet.replicas()
+    for r in (r0, r1, r2):
+        admit(fleet, r, clock)
+    pool = fleet.pools["main"]
+    fail(fleet, r0)
+    fail(fleet, r1)
+    fail(fleet, r2)
+    assert r0.state is E and r1.capped and r2.capped  # the cap keeps two "healthy"
+    assert pool.candidates("m") and not pool.outage  # their /health still answered
+    for r in (r1, r2):
+        fleet.observe_health(r, False, clock.t)
+    assert pool.outage and pool.candidates("m") == [] and not pool.has_healthy()
+    fleet.observe_health(r2, True, clock.t)  # one is back: it gets traffic again
+    assert not pool.outage and r2 in pool.candidates("m")

@@ -18,6 +18,17 @@ Decisions documented here (DESIGN 4.2 / 5 leave them open):
   ejects only when the replica's own metrics agree that it is not generating (counters flat over
   at least two scrapes, or ``/metrics`` not answering), or when ``SILENT_IN_ROW`` attempts in a
   row on it went silent with no success between.
+- **Poison requests.** A 5xx may be the request's fault, not the replica's: a body that makes
+  every replica answer 500 must not eject them. A connect error or a reset counts toward
+  ``consecutive_failures`` as it comes; a 5xx ejects only as an outlier (``fivexx_outlier``):
+  ``consecutive_failures`` of them in a row on the replica while its pool peers, over their
+  recent attempts (``FIVEXX_WINDOW``), answered at least as many and mostly fine. A poison body
+  sprayed over the pool raises every replica's rate alike; one replica that really fails stands
+  out. The relay also drops from the count a 5xx that the same request got on another replica
+  too (the request is the common factor, ``poisoned``).
+- **Outage.** When every replica of a pool is out or failing (a held-back ejection while its
+  ``/health`` also fails), the cap is not keeping capacity, only a dead replica in the route:
+  the pool has no candidates (``in_outage``) and requests get admission's fast 503.
 - **Cap.** At most ``max_ejected_percent`` of a pool may be out for failure-based reasons,
   rounded down but at least one replica when the percentage is above 0 (as Envoy does), so a
   one-replica pool with a ``spill_to`` can still shed a dead replica. Replicas that are out for
@@ -33,6 +44,8 @@ from typing import Protocol, TypeVar
 
 SILENT_IN_ROW = 3  # silent attempts in a row that eject even when the counters still move
 SLOW_START_FLOOR = 0.1  # a replica in slow start never weighs less than this
+FIVEXX_WINDOW = 20  # recent attempts per replica kept for the 5xx outlier comparison
+PEER_5XX_RATE_MAX = 0.5  # peers failing more than this: the requests, not the replica, fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +150,36 @@ def traffic_stalled(
 
 def silent_failure_ejects(silent_in_row: int, metrics_agree: bool) -> bool:
     return metrics_agree or silent_in_row >= SILENT_IN_ROW
+
+
+# ------------------------------------------------------------------------ 5xx: poison or outlier
+
+
+def fivexx_outlier(in_row: int, threshold: int, peer_5xx: int, peer_total: int) -> bool:
+    """Does a run of ``in_row`` 5xx answers eject the replica?
+
+    Only when the run reaches ``threshold`` and the pool's other replicas, over their recent
+    attempts (``peer_total`` of them, ``peer_5xx`` answered 5xx), served at least ``threshold``
+    requests with a 5xx rate of at most ``PEER_5XX_RATE_MAX``: they serve the same traffic fine,
+    so the fault is this replica's. Peers failing alike point at the requests (a poison body);
+    no peer evidence (a one-replica pool, idle peers) leaves the verdict to ``/health``.
+    """
+    if in_row < max(threshold, 1) or peer_total < max(threshold, 1):
+        return False
+    return peer_5xx / peer_total <= PEER_5XX_RATE_MAX
+
+
+def poisoned(fivexx_on_other_replica: bool, status: int) -> bool:
+    """A 5xx (``status``) on a request that already got a 5xx on another replica: the
+    request is the common factor, so neither answer counts against its replica."""
+    return fivexx_on_other_replica and status >= 500
+
+
+def in_outage(out_or_failing: Iterable[bool]) -> bool:
+    """Every replica of a pool out of service or failing (a non-empty pool): see ``Outage``
+    above. ``out_or_failing`` has one flag per replica."""
+    flags = list(out_or_failing)
+    return bool(flags) and all(flags)
 
 
 # ---------------------------------------------------------------------------- ejection arithmetic

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -127,7 +128,10 @@ class Replica:
     ejected_until: float = 0.0
     stats: ScrapedStats = field(default_factory=ScrapedStats)
     requests_total: int = 0
-    failures_in_row: int = 0  # connect errors, resets, 5xx
+    failures_in_row: int = 0  # connect errors and resets
+    fivexx_in_row: int = 0  # 5xx answers (ejecting only as an outlier: detect.fivexx_outlier)
+    # The last attempts' outcomes (True: a 5xx), for the peers' side of that comparison.
+    recent_5xx: deque[bool] = field(default_factory=lambda: deque(maxlen=detect.FIVEXX_WINDOW))
     streams: set[StreamWatch] = field(default_factory=set)  # attempts in flight, for rescue
     # -- health bookkeeping (fleet and health loop only) --
     silent_in_row: int = 0  # first-token timeouts and idle streams
@@ -188,6 +192,7 @@ class Replica:
                 "scraped_at": s.at,
                 "requests_total": self.requests_total,
                 "failures_in_row": self.failures_in_row,
+                "fivexx_in_row": self.fivexx_in_row,
                 "silent_in_row": self.silent_in_row,
                 "health_fails_in_row": self.health_fails_in_row,
                 "backoff_level": self.backoff_level,
@@ -211,13 +216,26 @@ class Pool:
     replicas: list[Replica]
     rr_counter: int = 0
     panic: bool = False  # an ejection is held back by max_ejected_percent
+    outage_logged: bool = False  # the last outage edge logged (see Fleet._note_outage)
 
     def candidates(self, model: str | None) -> list[Replica]:
-        """Replicas that may take a client request for ``model`` now."""
+        """Replicas that may take a client request for ``model`` now (none in an outage)."""
+        if self.panic and self.outage:
+            return []
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY and r.serves(model)]
 
     def has_healthy(self) -> bool:
-        return any(r.state is ReplicaState.HEALTHY for r in self.replicas)
+        return not self.outage and any(r.state is ReplicaState.HEALTHY for r in self.replicas)
+
+    @property
+    def outage(self) -> bool:
+        """Every replica out of service, or kept in only by the ejection cap while its own
+        ``/health`` fails too: the cap keeps no capacity then, only slow failures in the
+        route. (A held-back replica whose ``/health`` answers keeps serving: its successes
+        lift the hold.)"""
+        return detect.in_outage(
+            r.state in _OUT or (r.capped is not None and not r.health_ok) for r in self.replicas
+        )
 
 
 def make_replica(pool: str, cfg: ReplicaConfig, environ: Mapping[str, str]) -> Replica:
@@ -356,20 +374,32 @@ class Fleet:
         replica.in_flight += 1
         replica.requests_total += 1
 
-    def attempt_finished(self, replica: Replica, failure: FailureKind | None) -> None:
-        """``failure`` is None for a usable answer, else what went wrong (``FailureKind``)."""
+    def attempt_finished(
+        self, replica: Replica, failure: FailureKind | None, *, counted: bool = True
+    ) -> None:
+        """``failure`` is None for a usable answer, else what went wrong (``FailureKind``).
+
+        ``counted=False``: the outcome says nothing about the replica (a 5xx that the same
+        request also got on another replica: a poison request), only its slot is freed."""
         if replica.in_flight > 0:
             replica.in_flight -= 1
         if self.leaving and replica.in_flight == 0 and replica in self.leaving:
             self.leaving.remove(replica)  # drained after leaving the policy
             self.forget(replica)
+        if not counted:
+            return
         if failure is None:
             replica.failures_in_row = 0
+            replica.fivexx_in_row = 0
             replica.silent_in_row = 0
+            replica.recent_5xx.append(False)
             if replica.capped is not None and replica.capped in TRAFFIC_REASONS:
                 self._uncap(replica)
             return
         h = self.health
+        if failure == FailureKind.UPSTREAM_5XX:
+            self.note_5xx(replica)
+            return
         if failure in HARD_FAILURES:
             replica.failures_in_row += 1
             if (
@@ -391,11 +421,31 @@ class Fleet:
         if detect.silent_failure_ejects(replica.silent_in_row, agree):
             self._fail(replica, reason, self.clock())
 
+    def note_5xx(self, replica: Replica) -> None:
+        """A 5xx that is the replica's own (the relay may report one late: when a request's
+        5xx was replayed elsewhere, it is counted once the replay got a usable answer)."""
+        replica.recent_5xx.append(True)
+        replica.fivexx_in_row += 1
+        if replica.state is not ReplicaState.HEALTHY:
+            return
+        peer_5xx = peer_total = 0
+        pool = self.pools.get(replica.pool)
+        for peer in pool.replicas if pool is not None else ():
+            if peer is not replica:
+                peer_total += len(peer.recent_5xx)
+                peer_5xx += sum(peer.recent_5xx)
+        threshold = self.health.consecutive_failures
+        if detect.fivexx_outlier(replica.fivexx_in_row, threshold, peer_5xx, peer_total):
+            self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+
     # -- the health loop reports here ------------------------------------------------------
 
     def observe_health(self, replica: Replica, ok: bool, now: float) -> None:
         """One ``/health`` answer (``ok`` = 200 in time)."""
+        changed = replica.health_ok != ok
         replica.health_ok = ok
+        if changed and replica.capped is not None:
+            self._note_outage(replica.pool)
         if ok:
             replica.health_fails_in_row = 0
             if replica.capped is EjectReason.HEALTH_CHECK:
@@ -573,6 +623,7 @@ class Fleet:
         self, replica: Replica, now: float, detail: str, *, shared: bool = True
     ) -> None:
         replica.failures_in_row = 0
+        replica.fivexx_in_row = 0
         replica.silent_in_row = 0
         replica.health_fails_in_row = 0
         replica.ejected_until = 0.0
@@ -604,8 +655,26 @@ class Fleet:
         if panic != pool.panic:
             pool.panic = panic
             log.warning("pool=%s panic %s", pool.name, "on" if panic else "off")
+            self._note_outage(pool_name)
         if self.metrics is not None:
             self.metrics.panic.labels(pool.name).set(1 if panic else 0)
+
+    def _note_outage(self, pool_name: str) -> None:
+        """Log an outage of the pool as it starts and ends (``Pool.outage`` is computed on
+        demand; this only keeps the log to its edges)."""
+        pool = self.pools.get(pool_name)
+        if pool is None:
+            return
+        outage = pool.panic and pool.outage
+        if outage != pool.outage_logged:
+            pool.outage_logged = outage
+            if outage:
+                log.error(
+                    "pool=%s outage: every replica is out or failing; requests get 503 "
+                    "no_replica until one answers /health", pool.name,
+                )  # fmt: skip
+            else:
+                log.warning("pool=%s outage over", pool.name)
 
     def _move(
         self,

@@ -37,6 +37,7 @@ from proxy.errors import (
     UpstreamFailed,
     UpstreamReadTimeout,
 )
+from proxy.fleet import detect
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
@@ -121,7 +122,14 @@ class Relay:
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self.rng = random.Random()
         self.requests_in_flight = 0
-        self.retries_in_flight = 0
+        # Requests on a retried attempt. Only those whose retry is still pending (nothing sent
+        # to the client yet) count against the retry budget: a retry that got its answer
+        # started is a request like any other, and holding the budget for its whole stream
+        # refused retries while healthy capacity sat free.
+        self.retrying: set[Call] = set()
+        # A request's 5xx replayed elsewhere (retry.on_5xx_after_send): the replica's verdict
+        # waits for the replay's (a 5xx there too makes the request the common factor).
+        self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
 
     # -- picking ---------------------------------------------------------------------------
@@ -201,7 +209,7 @@ class Relay:
                 attempts += 1
                 is_retry = attempts > 1
                 if is_retry:
-                    self.retries_in_flight += 1
+                    self.retrying.add(call)
                 try:
                     await self._attempt(call, replica, send, deadline)
                     return
@@ -211,7 +219,7 @@ class Relay:
                     call.tried.add(replica)
                 finally:
                     if is_retry:
-                        self.retries_in_flight -= 1
+                        self.retrying.discard(call)
                 decision = decide_retry(
                     last.retry,
                     last.reason,
@@ -219,7 +227,7 @@ class Relay:
                     max_attempts=policy.retry.max_attempts,
                     deadline_left_s=deadline - loop_time(),
                     budget_left=budget_left(
-                        self.retries_in_flight,
+                        self.retries_pending,
                         self.requests_in_flight,
                         self.policy().retry.budget_ratio,
                     ),
@@ -247,6 +255,15 @@ class Relay:
         finally:
             self.requests_in_flight -= 1
             self.admission.finished(call.lane)
+            deferred = self._deferred_5xx.pop(call, None)
+            if deferred is not None:  # its replay never ran: the 5xx was that replica's
+                self.fleet.note_5xx(deferred)
+
+    @property
+    def retries_pending(self) -> int:
+        """Retried attempts that have not started the client's response yet (the budget's
+        count; rare enough that counting them when asked is cheaper than tracking)."""
+        return sum(1 for c in self.retrying if not c.started)
 
     def _timeout(self, lane: LaneConfig, stream: bool) -> dict[str, float | None]:
         """The request's timeout extension. A stream's idle watchdog is the socket read
@@ -298,6 +315,9 @@ class Relay:
         call.replica = replica
         call.pool = replica.pool
         failure: FailureKind | None = None
+        counted = True  # whether the outcome is held for or against the replica
+        # The replica whose 5xx this attempt replays, if any (see ``_deferred_5xx``).
+        replayed_5xx_of = self._deferred_5xx.pop(call, None)
         response: httpx.Response | None = None
         tracer = self.tracer
         span = None
@@ -342,12 +362,20 @@ class Relay:
                 fault, why = _fault_of(exc), exc.why
             verdict = self._judge(call, attempt, fault)
             failure = verdict.failure
+            if verdict.spends_after_send and fault is Fault.STATUS_5XX:
+                counted = False  # judged once the replay's answer is in
+                self._deferred_5xx[call] = replica
             await self._settle(call, attempt, send, verdict, _detail(fault, attempt, call, why))
         finally:
             if span is not None and tracer is not None:
                 tracer.attempt_finished(span, call, attempt, sys.exc_info()[1])
             replica.streams.discard(attempt)
-            self.fleet.attempt_finished(replica, failure)
+            status = response.status_code if response is not None else 0
+            poison = detect.poisoned(replayed_5xx_of is not None, status)
+            self.fleet.attempt_finished(replica, failure, counted=counted and not poison)
+            if replayed_5xx_of is not None and not poison:
+                # The replay got something other than a 5xx: the first one was its replica's.
+                self.fleet.note_5xx(replayed_5xx_of)
             self.admission.released(replica)
             if response is not None:
                 with contextlib.suppress(Exception):
