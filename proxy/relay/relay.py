@@ -30,11 +30,13 @@ from proxy.errors import (
     Fault,
     Rejected,
     RetryableFailure,
+    ShuttingDown,
     UpstreamBusy,
     UpstreamClosed,
     UpstreamError,
     UpstreamFailed,
     UpstreamReadTimeout,
+    sse_error_event,
 )
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
@@ -111,6 +113,37 @@ class Relay:
         self.requests_in_flight = 0
         self.retries_in_flight = 0
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
+        self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
+
+    def cut_all(self, message: str) -> int:
+        """End every request still running (shutdown past its grace): each is cancelled with
+        ``message`` as its ``cut``, so a stream ends with the error event and ``[DONE]``, a
+        request that has nothing yet gets a 503, and its upstream is closed. Returns how many."""
+        cut = 0
+        for call in list(self.live):
+            task = call.task
+            if task is None or task.done() or call.cut is not None:
+                continue
+            call.cut = message
+            task.cancel(message)
+            cut += 1
+        return cut
+
+    @staticmethod
+    def _was_cut(call: Call) -> bool:
+        """A cancellation that is only the gateway's own cut (``cut_all``): swallowed and
+        answered; one from anything else (the client left, the task is cancelled) goes on."""
+        task = call.task
+        return call.cut is not None and task is not None and task.uncancel() == 0
+
+    @staticmethod
+    def _shutting_down(call: Call) -> ShuttingDown:
+        return ShuttingDown(
+            call.cut or "the gateway is shutting down",
+            status=503,
+            reason="shutdown",
+            retry_after_s=1.0,
+        )
 
     # -- picking ---------------------------------------------------------------------------
 
@@ -169,9 +202,19 @@ class Relay:
         ``UpstreamFailed`` when nothing could be sent."""
         policy = self.policy()
         queued_at = now()
-        replica = await self.admission.admit(
-            call.lane, lambda: self.try_pick(call), lambda: self.any_serving(call)
-        )
+        self.live.add(call)
+        try:
+            replica = await self.admission.admit(
+                call.lane, lambda: self.try_pick(call), lambda: self.any_serving(call)
+            )
+        except asyncio.CancelledError:
+            self.live.discard(call)
+            if self._was_cut(call):
+                raise self._shutting_down(call) from None
+            raise
+        except BaseException:
+            self.live.discard(call)
+            raise
         # No await between here and ``fleet.attempt_started`` in ``_attempt``: admission's
         # reservation of this slot turns into the replica's in-flight count in one step.
         call.queue_wait_s = now() - queued_at
@@ -230,6 +273,7 @@ class Relay:
                 f"no replica could serve the request after {attempts} attempt(s): {last.detail}"
             )
         finally:
+            self.live.discard(call)
             self.requests_in_flight -= 1
             self.admission.finished(call.lane)
 
@@ -310,6 +354,18 @@ class Relay:
                     failure = FailureKind.UPSTREAM_5XX
                 return
             except asyncio.CancelledError:
+                if self._was_cut(call):
+                    # Shutdown past its grace: the client is told, not left with a cut stream.
+                    call.error = call.cut
+                    call.error_origin = "gateway"
+                    if not call.started:
+                        raise self._shutting_down(call) from None
+                    if call.stream:
+                        event = sse_error_event(self._shutting_down(call))
+                        await send(
+                            {"type": "http.response.body", "body": event, "more_body": False}
+                        )
+                    return
                 reason = attempt.interrupted
                 task = call.task
                 if reason is None or task is None or task.uncancel() > 0:
