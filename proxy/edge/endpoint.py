@@ -35,6 +35,7 @@ from proxy.errors import (
     send_error,
 )
 from proxy.fleet.fleet import Fleet
+from proxy.observe import accesslog
 from proxy.observe.outcomes import Outcomes
 from proxy.relay.call import Call
 from proxy.relay.relay import DROP_UPSTREAM, Relay
@@ -161,6 +162,7 @@ def _client_gone(call: Call, hook: ClientGoneHook | None = None) -> None:
         call.disconnected = True
         if hook is not None and hook.reason is not None:
             call.error = hook.reason
+            call.error_origin = "gateway"
         call.task.cancel("client disconnected")
 
 
@@ -261,7 +263,12 @@ class RelayEndpoint:
             if call is not None:
                 call.status = err.status
                 call.error = err.message
+                call.error_origin = "gateway"
             if call is None:
+                # Refused before it was a call: its own access line (a Call gets one below).
+                accesslog.write_refusal(
+                    self.path, err.status, request_id, err.message, now() - received_at, time.time()
+                )
                 await send_error(send, err, request_id)
             elif not call.started:  # admitted, then failed: the key's limits still apply
                 await send_error(send, err, request_id, call.extra_headers)
@@ -276,6 +283,11 @@ class RelayEndpoint:
             log.exception("unexpected error in %s", self.path)
             if call is not None:
                 call.status = 500
+                call.error_origin = "gateway"
+            else:
+                accesslog.write_refusal(
+                    self.path, 500, request_id, "internal error", now() - received_at, time.time()
+                )
             if call is None or not call.started:
                 await send_error(
                     send,

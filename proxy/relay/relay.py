@@ -479,6 +479,8 @@ class Relay:
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
         attempt.last_progress = time.monotonic()
         call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
         if call.status == 200 and call.kind != "other":
             with contextlib.suppress(ValueError):
                 call.usage = sse.usage_of(json.loads(body))
@@ -512,6 +514,8 @@ class Relay:
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             call.stream = True
         call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
         call.started = True
         attempt.phase = Phase.CONTENT
         attempt.last_progress = time.monotonic()
@@ -617,6 +621,7 @@ class Relay:
 
     async def _end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
         call.error = message
+        call.error_origin = "replica"  # a replica's fault, told in-band by the gateway
         if call.kind == "other" and not call.stream:
             # A pass-through body that is not a stream cannot carry an error: it is left
             # incomplete, so the ASGI server closes the connection (without the final chunk,
