@@ -15,9 +15,13 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
+from proxy.config import build_policy
 from proxy.edge.endpoint import forwarding_headers, without_connection_named
+from proxy.edge.serve import NoDelayHttpToolsProtocol
+from proxy.gateway import create_app
 
-from .gateway import policy_for, running_gateway
+from .gateway import policy_for, running_gateway, wait_ready
+from .servers import serve_app
 from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
@@ -57,7 +61,14 @@ def test_headers_named_in_connection_are_dropped() -> None:
 async def _headers_received(trusted: list[str]) -> dict[str, str]:
     async with running() as up:
         policy = policy_for({"p": [up.url]}, server={"trusted_proxies": trusted})
-        async with running_gateway(policy) as (url, _app), httpx.AsyncClient() as client:
+        app = create_app(build_policy(policy), environ={})
+        # As `make run` serves (``serve.uvicorn_config``): uvicorn's own proxy-header
+        # handling off, so the peer is the socket's.
+        async with (
+            serve_app(app, http=NoDelayHttpToolsProtocol, proxy_headers=False) as url,
+            httpx.AsyncClient() as client,
+        ):
+            await wait_ready(url)
             resp = await client.post(
                 url + "/v1/chat/completions",
                 json=CHAT,
