@@ -23,6 +23,7 @@ from loadtest.fake_upstream import running
 
 from .gateway import policy_for, wait_ready
 from .servers import free_port, run_process
+from .waiting import WaitTimeout
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,7 +42,12 @@ async def gateway_with_log(
     url = f"http://127.0.0.1:{port}"
     stderr: list[str] = []
     with run_process(argv) as proc:
-        await wait_ready(url, timeout_s=30)
+        try:
+            await wait_ready(url, timeout_s=120)  # a backstop: a loaded host starts slowly
+        except WaitTimeout:
+            proc.kill()
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"gateway did not start:\n{err[-3000:]}") from None
         yield url, proc.pid, stderr
         await asyncio.to_thread(proc.wait, 30)
         assert proc.stderr is not None
