@@ -23,7 +23,7 @@ from loadtest.fake_upstream import running
 
 from .gateway import policy_for, wait_ready
 from .servers import free_port, run_process
-from .waiting import WaitTimeout
+from .waiting import WaitTimeout, wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -76,7 +76,8 @@ async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
 
                 short = [asyncio.create_task(stream(20)) for _ in range(4)]  # ~1 s each
                 long = [asyncio.create_task(stream(400)) for _ in range(2)]  # ~20 s each
-                await asyncio.sleep(0.3)
+                # All six are at the replica before the signal (a loaded host is slow to send).
+                await wait_until(lambda: up.stats.requests >= 6, what="six streams upstream")
                 os.kill(pid, signal.SIGTERM)
                 signalled = time.monotonic()
 
