@@ -11,6 +11,15 @@ Precedence for every key: command-line flag, then ``TOKENLANE_`` environment var
 
 from __future__ import annotations
 
+<<<<<<< HEAD
+=======
+import difflib
+import ipaddress
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+>>>>>>> edge2
 from importlib import metadata
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -114,6 +123,33 @@ class ServerConfig(_Strict):
     )
     silent_connection_timeout_s: float = key(
         10.0, "A new connection that sends nothing for this long is closed.", "s", gt=0
+    )
+    # Who may tell the gateway a client's address: from these peers an incoming
+    # X-Forwarded-For / Forwarded is kept and the peer appended; from any other, replaced.
+    trusted_proxies: list[str] = key(
+        [],
+        "Peers (CIDRs) whose X-Forwarded-For / Forwarded headers are kept (the peer's address "
+        "appended); from any other peer they are replaced by the peer's address.",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"not a CIDR: {cidr!r}") from exc
+        return value
+
+    # A client that stops reading a response holds its replica's slot and sequence: past this
+    # long without the client taking a byte (the write buffer full), the stream is cut.
+    write_stall_timeout_s: float = key(
+        60.0,
+        "A response the client reads nothing of for this long (its socket buffer full) is cut, "
+        "its upstream request cancelled.",
+        "s",
+        gt=0,
     )
     # Each open client connection is one fd (and a relayed stream one more upstream). Well
     # above the 1,000-stream benchmark.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -89,10 +90,14 @@ async def running_gateway(
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(policy: dict[str, Any], tmp: Path) -> AsyncIterator[tuple[str, int]]:
+async def gateway_process(
+    policy: dict[str, Any], tmp: Path, *, stderr: list[str] | None = None
+) -> AsyncIterator[tuple[str, int]]:
     """Run ``python -m proxy serve`` as `make run` does (uvloop, httptools); yield URL, pid.
 
-    Waits for readiness without blocking the loop, which may be serving the upstreams."""
+    Waits for readiness without blocking the loop, which may be serving the upstreams. Given
+    ``stderr``, the block's end waits for the process to exit (the test has signalled it) and
+    appends what it wrote to stderr."""
     port = free_port()
     path = tmp / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
@@ -113,12 +118,16 @@ async def gateway_process(policy: dict[str, Any], tmp: Path) -> AsyncIterator[tu
     url = f"http://127.0.0.1:{port}"
     with run_process(argv) as proc:
         try:
-            await wait_ready(url, timeout_s=30)
+            await wait_ready(url, timeout_s=120)  # a backstop: a loaded host starts slowly
         except WaitTimeout:
             proc.kill()
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
             raise RuntimeError(f"gateway did not start:\n{err[-3000:]}") from None
         yield url, proc.pid
+        if stderr is not None:
+            await asyncio.to_thread(proc.wait, 30)
+            assert proc.stderr is not None
+            stderr.append(proc.stderr.read().decode(errors="replace"))
 
 
 def rss_bytes(pid: int) -> int:

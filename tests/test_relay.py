@@ -529,7 +529,9 @@ async def test_upstream_gets_the_clients_headers_and_none_of_the_relays_own() ->
             head = b"x-trace: 7\r\ncontent-type: application/json\r\n"
             assert (await post_raw(url, head, body)).startswith(b"HTTP/1.1 200")
     (_, headers), *_ = chat_requests(up)
-    assert set(headers) == {"host", "x-trace", "content-type", "content-length", "x-request-id"}
+    # The forwarding headers are the gateway's own, by contract (docs/http.md, Headers).
+    assert set(headers) == {"host", "x-trace", "content-type", "content-length", "x-request-id",
+                            "x-forwarded-for", "forwarded"}  # fmt: skip
     assert headers["content-length"] == str(len(body))
 
 

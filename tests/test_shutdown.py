@@ -1,10 +1,12 @@
 """Graceful shutdown (RELIABILITY T13): on SIGTERM `/ready` fails at once, new requests get 503
-with Retry-After, streams shorter than the grace finish, longer ones are cut at its end, and
-the process exits."""
+with Retry-After, streams shorter than the grace finish, longer ones are cut at its end with
+the OpenAI-shaped error event and `data: [DONE]` (no traceback in the log), and the process
+exits."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -26,7 +28,8 @@ async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
     grace = 5.0
     async with running(tokens=10, interval_s=0.05, record=False) as up:
         policy = policy_for({"p": [up.url]}, server={"shutdown_grace_s": grace})
-        async with gateway_process(policy, tmp_path) as (url, pid):
+        stderr: list[str] = []
+        async with gateway_process(policy, tmp_path, stderr=stderr) as (url, pid):
             async with httpx.AsyncClient(timeout=30) as client:
                 streaming = 0  # streams whose first token reached the client
 
@@ -66,8 +69,14 @@ async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
                 for text in await asyncio.gather(*short):
                     assert text.rstrip().endswith("data: [DONE]"), text[-300:]
                 for text in await asyncio.gather(*long):
-                    assert "data: [DONE]" not in text
                     assert "tok1" in text  # they were streaming when cut
+                    # ...and ended with the error event, then [DONE]
+                    events = [e for e in text.split("\n\n") if e.strip()]
+                    assert events[-1] == "data: [DONE]"
+                    error = json.loads(events[-2].removeprefix("data: "))["error"]
+                    assert set(error) == {"message", "type", "param", "code"}
+                    assert error["code"] == 503
+                    assert "shutting down" in error["message"]
 
                 while time.monotonic() - signalled < grace + 10:
                     try:
@@ -79,3 +88,6 @@ async def test_sigterm_drains_then_exits(tmp_path: Path) -> None:
                     await asyncio.sleep(0.05)
                 exited_after = time.monotonic() - signalled
     assert exited_after <= grace + 4.0
+    log = stderr[0]
+    assert "grace period over: cutting" in log
+    assert "Traceback" not in log

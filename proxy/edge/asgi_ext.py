@@ -23,10 +23,12 @@ CLIENT_GONE = "tokenlane.client_gone"
 class ClientGoneHook:
     """One request's disconnect callback, set by the app and fired once by the server."""
 
-    __slots__ = ("callback",)
+    __slots__ = ("callback", "reason")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
+        # Set by the server when it cut the connection itself (a client that stopped reading).
+        self.reason: str | None = None
 
     def fire(self) -> None:
         callback, self.callback = self.callback, None

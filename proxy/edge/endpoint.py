@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import itertools
 import logging
 import os
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.config import Policy
 from proxy.edge import validate
-from proxy.edge.asgi_ext import CLIENT_GONE, START_WITH_BODY
+from proxy.edge.asgi_ext import CLIENT_GONE, START_WITH_BODY, ClientGoneHook
 from proxy.edge.auth import Guard
 from proxy.errors import (
     ClientGone,
@@ -34,6 +35,7 @@ from proxy.errors import (
     send_error,
 )
 from proxy.fleet.fleet import Fleet
+from proxy.observe import accesslog
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Call
@@ -61,6 +63,54 @@ _ID_PREFIX = os.urandom(7).hex()
 _id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
 _NO_EXTENSIONS: dict[str, Any] = {}  # a server that advertises none (never written to)
 _REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def without_connection_named(
+    headers: list[tuple[bytes, bytes]], connection: bytes
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` without those the client's ``Connection:`` names: hop-by-hop by its say
+    (RFC 9110 7.6.1), about its connection to the gateway, never relayed."""
+    named = {t.strip().lower() for t in connection.split(b",")}
+    named.discard(b"")
+    if not named:
+        return headers
+    return [(k, v) for k, v in headers if k not in named]
+
+
+def networks_of(cidrs: list[str]) -> list[IPNetwork]:
+    return [ipaddress.ip_network(c, strict=False) for c in cidrs]
+
+
+def peer_in(peer: str, networks: list[IPNetwork]) -> bool:
+    try:
+        addr = ipaddress.ip_address(peer)
+    except ValueError:
+        return False  # a Unix socket's peer, say: not an address a proxy list can name
+    return any(addr in net for net in networks)
+
+
+def forwarding_headers(
+    peer: str | None, chain: list[bytes], forwarded: list[bytes], trusted: bool
+) -> list[tuple[bytes, bytes]]:
+    """The ``X-Forwarded-For`` and ``Forwarded`` to send upstream: the incoming ones (only
+    from a trusted proxy, else they are the client's own claims and dropped), with the peer's
+    address appended."""
+    out: list[tuple[bytes, bytes]] = []
+    xff = b", ".join(chain) if trusted else b""
+    fwd = b", ".join(forwarded) if trusted else b""
+    if peer is not None:
+        addr = peer.encode()
+        xff = xff + b", " + addr if xff else addr
+        node = b'"[' + addr + b']"' if b":" in addr else addr  # RFC 7239 6: IPv6 quoted
+        fwd = fwd + b", for=" + node if fwd else b"for=" + node
+    if xff:
+        out.append((b"x-forwarded-for", xff))
+    if fwd:
+        out.append((b"forwarded", fwd))
+    return out
 
 
 class EndpointParts(Protocol):
@@ -106,11 +156,15 @@ def request_id_from(value: bytes | None) -> str:
     return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFF:010x}"
 
 
-def _client_gone(call: Call) -> None:
-    """The client left: cancel the request's task, which closes the upstream connection (vLLM
-    frees the KV blocks) and frees the replica's slot, or takes it out of its queue."""
+def _client_gone(call: Call, hook: ClientGoneHook | None = None) -> None:
+    """The client left (or the server cut it, ``hook.reason``): cancel the request's task,
+    which closes the upstream connection (vLLM frees the KV blocks) and frees the replica's
+    slot, or takes it out of its queue."""
     if not call.finished and call.task is not None:
         call.disconnected = True
+        if hook is not None and hook.reason is not None:
+            call.error = hook.reason
+            call.error_origin = "gateway"
         call.task.cancel("client disconnected")
 
 
@@ -136,6 +190,7 @@ class RelayEndpoint:
             "chat": validate.check_chat,
             "completion": validate.check_completion,
         }.get(kind)
+        self._networks: tuple[list[str], list[IPNetwork]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = now()
@@ -149,14 +204,31 @@ class RelayEndpoint:
             headers: list[tuple[bytes, bytes]] = []
             content_length = None
             rid = None
+            connection = None
+            chain: list[bytes] = []  # incoming X-Forwarded-For, then Forwarded, values
+            forwarded: list[bytes] = []
             for k, v in scope["headers"]:
                 if k == b"x-request-id":
                     rid = v
                 elif k == b"content-length":
                     with contextlib.suppress(ValueError):
                         content_length = int(v)
+                elif k == b"connection":
+                    connection = v if connection is None else connection + b"," + v
+                elif k == b"x-forwarded-for":
+                    chain.append(v)
+                    continue
+                elif k == b"forwarded":
+                    forwarded.append(v)
+                    continue
                 if k not in DROP_UPSTREAM:
                     headers.append((k, v))
+            if connection is not None:
+                headers = without_connection_named(headers, connection)
+            client = scope.get("client")
+            peer = client[0] if client else None
+            trusted = self._trusted(gw.policy.server.trusted_proxies, peer)
+            headers += forwarding_headers(peer, chain, forwarded, trusted)
             request_id = request_id_from(rid)
             if gw.shutting_down:
                 raise ShuttingDown(
@@ -184,7 +256,7 @@ class RelayEndpoint:
             hook = ext.get(CLIENT_GONE)
             if hook is not None:
                 call.start_with_body = START_WITH_BODY in ext
-                hook.callback = functools.partial(_client_gone, call)
+                hook.callback = functools.partial(_client_gone, call, hook)
             else:
                 listener = asyncio.create_task(_listen_for_disconnect(receive, call))
             try:
@@ -195,7 +267,12 @@ class RelayEndpoint:
             if call is not None:
                 call.status = err.status
                 call.error = err.message
+                call.error_origin = "gateway"
             if call is None:
+                # Refused before it was a call: its own access line (a Call gets one below).
+                accesslog.write_refusal(
+                    self.path, err.status, request_id, err.message, now() - received_at, time.time()
+                )
                 await send_error(send, err, request_id)
             elif not call.started:  # admitted, then failed: the key's limits still apply
                 await send_error(send, err, request_id, call.extra_headers)
@@ -210,6 +287,11 @@ class RelayEndpoint:
             log.exception("unexpected error in %s", self.path)
             if call is not None:
                 call.status = 500
+                call.error_origin = "gateway"
+            else:
+                accesslog.write_refusal(
+                    self.path, 500, request_id, "internal error", now() - received_at, time.time()
+                )
             if call is None or not call.started:
                 await send_error(
                     send,
@@ -228,6 +310,15 @@ class RelayEndpoint:
                     gw.tracer.request_finished(call)
                 # Recorded off this path, in a batch (``Outcomes``).
                 gw.outcomes.add(call, now() - call.received_at)
+
+    def _trusted(self, cidrs: list[str], peer: str | None) -> bool:
+        """Whether ``peer`` is one of ``server.trusted_proxies`` (parsed once per policy)."""
+        if not cidrs or peer is None:
+            return False
+        cached = self._networks
+        if cached is None or cached[0] is not cidrs:
+            cached = self._networks = (cidrs, networks_of(cidrs))
+        return peer_in(peer, cached[1])
 
     def _make_call(
         self,
@@ -285,6 +376,8 @@ __all__ = [
     "PASSTHROUGH_PATHS",
     "EndpointParts",
     "RelayEndpoint",
+    "forwarding_headers",
     "read_body",
     "request_id_from",
+    "without_connection_named",
 ]

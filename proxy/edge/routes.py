@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from proxy.errors import (
     send_error,
 )
 from proxy.observe.accesslog import logger as access_log
+from proxy.observe.accesslog import write_refusal
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 
@@ -120,6 +122,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = GatewayError(str(exc.detail))
         err.status = exc.status_code
+    # A refusal leaves its access line, as the relayed paths' do (no duration measured here).
+    write_refusal(request.url.path, err.status, None, err.message, 0.0, time.time())
     return error_response(err)
 
 

@@ -143,6 +143,7 @@ class Bounds:
     body_timeout_s: float
     silent_timeout_s: float
     max_connections: int
+    write_stall_timeout_s: float
     # Bytes an unfinished head may take on the wire. httptools buffers a header line until it
     # ends (by concatenation: quadratic), so one endless header is refused while it is still
     # arriving, once it cannot fit the counted bound whatever its framing.
@@ -157,6 +158,7 @@ class Bounds:
             body_timeout_s=server.request_body_timeout_s,
             silent_timeout_s=server.silent_connection_timeout_s,
             max_connections=server.max_connections,
+            write_stall_timeout_s=server.write_stall_timeout_s,
             raw_head_cap=server.max_request_header_bytes
             + _FRAMING_PER_LINE * server.max_request_headers
             + _REQUEST_LINE_FRAMING,
@@ -270,6 +272,12 @@ class Edge:
             registry=registry,
         )
         self._series = {reason: self.refusals.labels(reason) for reason in REFUSAL_REASONS}
+        self.write_stalls = Counter(
+            "tokenlane_write_stalls",
+            "Responses cut because the client read nothing of them for "
+            "server.write_stall_timeout_s.",
+            registry=registry,
+        )
 
     def bounds(self) -> Bounds:
         """The bounds of the policy in force (a reload applies to new connections)."""
@@ -283,6 +291,11 @@ class Edge:
         self._series[reason].inc()
         peer = f"{client[0]}:{client[1]}" if client else "?"
         log.info("connection from %s refused: %s", peer, reason)
+
+    def stalled(self, client: tuple[str, int] | None, stall_s: float) -> None:
+        self.write_stalls.inc()
+        peer = f"{client[0]}:{client[1]}" if client else "?"
+        log.warning("client %s read nothing for %gs: response cut", peer, stall_s)
 
 
 _EDGES: weakref.WeakKeyDictionary[Gateway, Edge] = weakref.WeakKeyDictionary()
@@ -349,6 +362,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._since = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._stall: asyncio.TimerHandle | None = None  # armed only while writes are paused
         self._arm(b.silent_timeout_s)
         if len(self.connections) > b.max_connections:
             self._refuse("connection_cap")
@@ -522,11 +536,44 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._since = self.loop.time()
         self._arm(LINGER_S)
 
+    # ---------------------------------------------------------------- a client that stops reading
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client is not keeping up.
+        Only now is a timer armed, so a client that reads costs nothing per chunk."""
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(
+                self._bounds.write_stall_timeout_s, self._write_stalled
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _write_stalled(self) -> None:
+        """Nothing was read for the whole timeout: cut the connection. Its requests learn it
+        through their ``CLIENT_GONE`` hooks (which cancel their upstreams), marked as cut."""
+        self._stall = None
+        if self.transport.is_closing():
+            return
+        stall_s = self._bounds.write_stall_timeout_s
+        self._edge.stalled(self.client, stall_s)
+        for cycle, hook in self._hooks:
+            if not cycle.response_complete:
+                hook.reason = f"client read nothing for {stall_s:g}s: response cut"
+        self.transport.abort()  # unread bytes are dropped: connection_lost follows
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         for cycle, hook in self._hooks:
             if not cycle.response_complete:
                 hook.fire()
@@ -595,7 +642,13 @@ class GatewayServer(uvicorn.Server):
             if self.gateway.active_requests == 0 or time.monotonic() >= self.drain_deadline:
                 left = self.gateway.active_requests
                 if left:
-                    log.warning("grace period over: cutting %d request(s)", left)
+                    # Cut here, each with its error event (or 503), before uvicorn's shutdown
+                    # would cancel them bare (a traceback each, streams without an end).
+                    cut = self.gateway.relay.cut_all(
+                        "the gateway is shutting down; the request was cut at the end of its "
+                        "shutdown grace period"
+                    )
+                    log.warning("grace period over: cutting %d request(s) (%d relayed)", left, cut)
                 self.should_exit = True
         return await super().on_tick(counter)
 

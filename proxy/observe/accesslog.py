@@ -44,9 +44,57 @@ def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:
         "retries": call.retries,
         "error": call.error,
         "client_disconnected": call.disconnected or None,
+        # who produced the error: "gateway" (its own refusal or failure) or "replica" (a
+        # relayed upstream error); null on success
+        "error_origin": call.error_origin,
         # cache_aware pools only: the prompt tokens the chosen replica was judged to hold
         "prefix_match_tokens": call.prefix_match_tokens,
     }
 
 
-__all__ = ["logger", "record_of", "write_line"]
+def refusal_record(
+    path: str, status: int, request_id: str | None, error: str, duration_s: float, ts: float
+) -> dict[str, Any]:
+    """The access-log record of a request the gateway refused before it was a relayed call
+    (401, 400, 404, 405, 413, 503 on shutdown...): the same fields, those never reached null,
+    so a brute force or a fuzzer shows in the log line by line."""
+    return {
+        "ts": round(ts, 3),
+        "request_id": request_id,
+        "path": path,
+        "lane": None,
+        "pool": None,
+        "replica": None,
+        "status": status,
+        "stream": None,
+        "model": None,
+        "prompt_tokens_est": None,
+        "prompt_tokens": None,
+        "output_tokens": None,
+        "content_chunks": None,
+        "queue_wait_ms": 0.0,
+        "ttft_ms": None,
+        "duration_ms": round(duration_s * 1000, 2),
+        "retries": 0,
+        "error": error,
+        "client_disconnected": None,
+        "error_origin": "gateway",
+        "prefix_match_tokens": None,
+    }
+
+
+def write_refusal(
+    path: str,
+    status: int,
+    request_id: str | None,
+    error: str,
+    duration_s: float,
+    ts: float,
+    log: logging.Logger = logger,
+) -> None:
+    if log.isEnabledFor(logging.INFO):
+        record = refusal_record(path, status, request_id, error, duration_s, ts)
+        log.info(json.dumps(record, separators=(",", ":")))
+
+
+__all__ = ["logger", "record_of", "refusal_record", "write_line", "write_refusal"]

@@ -53,6 +53,12 @@ class Call:
     error: str | None = None
     finished: bool = False
     disconnected: bool = False
+    # Set when the gateway itself ends the request (shutdown past its grace): why, for the
+    # client's error event, before its task is cancelled.
+    cut: str | None = None
+    # Who produced an error answer: "gateway" (its own refusal or failure) or "replica" (a
+    # relayed upstream error); None on success. For the access log.
+    error_origin: str | None = None
     tried: set[Replica] = field(default_factory=set)
     retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
     # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached

@@ -31,11 +31,13 @@ from proxy.errors import (
     Fault,
     Rejected,
     RetryableFailure,
+    ShuttingDown,
     UpstreamBusy,
     UpstreamClosed,
     UpstreamError,
     UpstreamFailed,
     UpstreamReadTimeout,
+    sse_error_event,
 )
 from proxy.fleet import detect
 from proxy.fleet.fleet import Fleet, Replica
@@ -131,6 +133,37 @@ class Relay:
         # waits for the replay's (a 5xx there too makes the request the common factor).
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
+        self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
+
+    def cut_all(self, message: str) -> int:
+        """End every request still running (shutdown past its grace): each is cancelled with
+        ``message`` as its ``cut``, so a stream ends with the error event and ``[DONE]``, a
+        request that has nothing yet gets a 503, and its upstream is closed. Returns how many."""
+        cut = 0
+        for call in list(self.live):
+            task = call.task
+            if task is None or task.done() or call.cut is not None:
+                continue
+            call.cut = message
+            task.cancel(message)
+            cut += 1
+        return cut
+
+    @staticmethod
+    def _was_cut(call: Call) -> bool:
+        """A cancellation that is only the gateway's own cut (``cut_all``): swallowed and
+        answered; one from anything else (the client left, the task is cancelled) goes on."""
+        task = call.task
+        return call.cut is not None and task is not None and task.uncancel() == 0
+
+    @staticmethod
+    def _shutting_down(call: Call) -> ShuttingDown:
+        return ShuttingDown(
+            call.cut or "the gateway is shutting down",
+            status=503,
+            reason="shutdown",
+            retry_after_s=1.0,
+        )
 
     # -- picking ---------------------------------------------------------------------------
 
@@ -191,9 +224,19 @@ class Relay:
         ``UpstreamFailed`` when nothing could be sent."""
         policy = self.policy()
         queued_at = now()
-        replica = await self.admission.admit(
-            call.lane, lambda: self.try_pick(call), lambda: self.any_serving(call)
-        )
+        self.live.add(call)
+        try:
+            replica = await self.admission.admit(
+                call.lane, lambda: self.try_pick(call), lambda: self.any_serving(call)
+            )
+        except asyncio.CancelledError:
+            self.live.discard(call)
+            if self._was_cut(call):
+                raise self._shutting_down(call) from None
+            raise
+        except BaseException:
+            self.live.discard(call)
+            raise
         # No await between here and ``fleet.attempt_started`` in ``_attempt``: admission's
         # reservation of this slot turns into the replica's in-flight count in one step.
         call.queue_wait_s = now() - queued_at
@@ -253,6 +296,7 @@ class Relay:
                 f"{_STOPPED_BECAUSE.get(decision, '')}: {last.detail}"
             )
         finally:
+            self.live.discard(call)
             self.requests_in_flight -= 1
             self.admission.finished(call.lane)
             deferred = self._deferred_5xx.pop(call, None)
@@ -350,6 +394,18 @@ class Relay:
                     failure = FailureKind.UPSTREAM_5XX
                 return
             except asyncio.CancelledError:
+                if self._was_cut(call):
+                    # Shutdown past its grace: the client is told, not left with a cut stream.
+                    call.error = call.cut
+                    call.error_origin = "gateway"
+                    if not call.started:
+                        raise self._shutting_down(call) from None
+                    if call.stream:
+                        event = sse_error_event(self._shutting_down(call))
+                        await send(
+                            {"type": "http.response.body", "body": event, "more_body": False}
+                        )
+                    return
                 reason = attempt.interrupted
                 task = call.task
                 if reason is None or task is None or task.uncancel() > 0:
@@ -473,6 +529,8 @@ class Relay:
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
         attempt.last_progress = time.monotonic()
         call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
         if call.status == 200 and call.kind != "other":
             with contextlib.suppress(ValueError):
                 call.usage = sse.usage_of(json.loads(body))
@@ -506,6 +564,8 @@ class Relay:
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             call.stream = True
         call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
         call.started = True
         attempt.phase = Phase.CONTENT
         attempt.last_progress = time.monotonic()
@@ -611,6 +671,7 @@ class Relay:
 
     async def _end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
         call.error = message
+        call.error_origin = "replica"  # a replica's fault, told in-band by the gateway
         if call.kind == "other" and not call.stream:
             # A pass-through body that is not a stream cannot carry an error: it is left
             # incomplete, so the ASGI server closes the connection (without the final chunk,
