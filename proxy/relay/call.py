@@ -57,6 +57,8 @@ class Call:
     retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
     # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
     prefix_match_tokens: int | None = None
+    # An eligible stream's continuation state (``relay.continuation.Splice``), else None.
+    continuation: Any = None
 
 
 class Attempt:
