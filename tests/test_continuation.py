@@ -156,7 +156,7 @@ async def fleet():
     async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
         policy = policy_for(
             {"a": [a.url], "b": [b.url]},
-            lanes=[{"name": "all", "pool": "a", "spill_to": "b", "stream_idle_timeout_s": 0.5}],
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b", "stream_idle_timeout_s": 3.0}],
         )
         async with running_gateway(policy) as (url, app):
             async with httpx.AsyncClient(timeout=30) as client:
@@ -213,7 +213,7 @@ async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger) -> N
 
 
 async def test_ineligible_stream_ends_with_the_error_event(fleet) -> None:
-    a, b, url, app, client = fleet
+    a, b, url, _app, client = fleet
     await a.set_fault({"fault": "cut_close", "after_tokens": 5})
     got = await _chat(client, url, {"max_tokens": 30, "stop": ["zzzz"]})
     assert got[-1] == "[DONE]" and "error" in got[-2]
@@ -223,7 +223,7 @@ async def test_ineligible_stream_ends_with_the_error_event(fleet) -> None:
 
 
 async def test_a_client_asking_for_ids_gets_them_all(fleet) -> None:
-    a, b, url, app, client = fleet
+    a, _b, url, _app, client = fleet
     body = {"max_tokens": 30, "return_token_ids": True}
     ref = await _chat(client, url, body)
     await a.set_fault({"fault": "cut_close", "after_tokens": 12})
