@@ -11,15 +11,7 @@ Precedence for every key: command-line flag, then ``TOKENLANE_`` environment var
 
 from __future__ import annotations
 
-<<<<<<< HEAD
-=======
-import difflib
 import ipaddress
-import json
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
->>>>>>> edge2
 from importlib import metadata
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -331,6 +323,11 @@ class LaneConfig(_Strict):
     ttft_slo_s: float | None = key(
         None, "Time-to-first-token objective for dashboards, alerts and goodput.", "s", gt=0
     )
+    continuation: bool = key(
+        True,
+        "Continue this lane's eligible streams on another replica when theirs fails "
+        "mid-answer (with `continuation.enabled`).",
+    )
 
 
 class RetryConfig(_Strict):
@@ -352,6 +349,32 @@ class RetryConfig(_Strict):
         "it, and a stream's first-token wait ends at it.",
         "s",
         gt=0,
+    )
+
+
+class ContinuationConfig(_Strict):
+    """Finishing a stream on another replica, token-exact, when its replica fails mid-answer."""
+
+    enabled: bool = key(
+        True,
+        "Forward eligible streams with `return_token_ids` and continue them on another "
+        "replica after a reset, early close, 5xx error event, abort or stall.",
+    )
+    max_attempts: int = key(1, "Continuations per request.", "continuations", ge=0, le=3)
+    start_timeout_s: float = key(
+        15.0, "From the failure to the continuation's first token; then the error event.",
+        "s", gt=0,
+    )  # fmt: skip
+    keepalive_s: float = key(
+        5.0, "SSE comments sent to the client this often while switching.", "s", gt=0
+    )
+    max_seq_len: int = key(
+        32768, "Prompt + generated tokens above this are not continued.", "tokens", ge=1
+    )
+    refuse_when_seeded: bool = key(
+        False,
+        "Do not continue a seeded request with temperature > 0 (a continued one is a valid "
+        "sample, not the one a run without failure would have given).",
     )
 
 
@@ -437,6 +460,7 @@ class Policy(_Strict):
         ..., "Lanes in order: a request takes the first that matches.", min_length=1
     )
     retry: RetryConfig = key(RetryConfig(), RetryConfig.__doc__ or "")
+    continuation: ContinuationConfig = key(ContinuationConfig(), ContinuationConfig.__doc__ or "")
     estimate: EstimateConfig = key(EstimateConfig(), EstimateConfig.__doc__ or "")
     health: HealthConfig = key(HealthConfig(), HealthConfig.__doc__ or "")
     redis: RedisConfig = key(RedisConfig(), RedisConfig.__doc__ or "")

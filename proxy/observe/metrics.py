@@ -235,6 +235,33 @@ class Metrics:
             ["lane", "reason"],
             registry=r,
         )
+        self.continuations = Counter(
+            "tokenlane_continuations",
+            "Streams continued on another replica after theirs failed mid-answer, by what "
+            "ended the upstream and how the continuation ended (ok, failed).",
+            ["lane", "trigger", "outcome"],
+            registry=r,
+        )
+        self.continuation_refusals = Counter(
+            "tokenlane_continuation_refusals",
+            "Streams whose replica failed mid-answer and that were not continued, by reason.",
+            ["lane", "reason"],
+            registry=r,
+        )
+        self.continuation_gap = Histogram(
+            "tokenlane_continuation_gap_seconds",
+            "Client-visible gap of a continuation: last chunk before the failure to the "
+            "continuation's first chunk.",
+            ["lane"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120),
+            registry=r,
+        )
+        self.continuation_replayed = Counter(
+            "tokenlane_continuation_replayed_tokens",
+            "Prompt and generated tokens prefilled again by continuations.",
+            ["lane"],
+            registry=r,
+        )
         self.spills = Counter(
             "tokenlane_spills",
             "Requests sent to a lane's spill_to pool.",

@@ -64,6 +64,8 @@ class Call:
     # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
     prefix_match_tokens: int | None = None
     trace: Any = None  # the request's SERVER span while tracing is on (``observe.tracing``)
+    # An eligible stream's continuation state (``relay.continuation.Splice``), else None.
+    continuation: Any = None
 
 
 class Attempt:

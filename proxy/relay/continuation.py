@@ -1,0 +1,388 @@
+"""Token-exact continuation of a stream whose replica fails mid-answer: the pure parts.
+
+An eligible stream is forwarded with ``return_token_ids``: its first chunk carries the prompt's
+token ids and every chunk the ids it generated. When its replica fails after content reached
+the client, the generation goes on elsewhere with ``/v1/completions``, prompt = prompt ids +
+generated ids (a token prompt is used verbatim, no template), and the continuation's chunks are
+rewritten into the client's one stream. This module decides who is eligible, keeps the ids and
+the stream's identity (``Splice``), builds the continuation request and rewrites its chunks;
+the relay does the I/O.
+
+Exactness holds only where nothing but the token context decides the next token, hence the
+refusals: stop strings are matched on output text (a match across the seam would be missed and
+vLLM holds text back while sending its ids), a grammar restarts from its root on replayed ids,
+logprobs and ``n`` > 1 have no place in the splice, and a tool call would come back as raw text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import StrEnum
+from typing import Any
+
+from proxy.errors import FailureKind
+from proxy.relay import sse
+
+_COMPACT = (",", ":")
+
+
+class Refusal(StrEnum):
+    """Why a stream is not continued (``tokenlane_continuation_refusals_total{reason}``)."""
+
+    DISABLED = "disabled"  # continuation.enabled is off, or the lane's switch
+    N = "n"  # n or best_of above 1
+    TOOLS = "tools"  # tools offered (tool_choice other than "none"), or a tool call seen
+    STRUCTURED = "structured"  # response_format / structured outputs / guided decoding
+    LOGPROBS = "logprobs"
+    STOP = "stop"  # stop strings
+    CONTENT = "content"  # a non-text message part, a batch prompt, echo
+    SEEDED = "seeded"  # seed with temperature > 0 under refuse_when_seeded
+    USAGE_STATS = "usage_stats"  # continuous_usage_stats
+    REASONING = "reasoning"  # the seam falls inside reasoning
+    SEQ_LEN = "seq_len"  # prompt ids above continuation.max_seq_len
+    NO_IDS = "no_ids"  # the replica sent no token ids
+    LIMIT = "limit"  # continuation.max_attempts spent
+    NO_TARGET = "no_target"  # no other replica could take it
+    CLIENT_ERROR = "client_error"  # an in-band error below 500: the request's fault
+    MALFORMED = "malformed"  # a chunk that is not JSON: the ids can no longer be trusted
+
+
+class Trigger(StrEnum):
+    """What ended the upstream (``tokenlane_continuations_total{trigger}``)."""
+
+    EOF = "eof"  # closed early: no finish chunk, no [DONE]
+    RESET = "reset"  # the connection was reset
+    ERROR_EVENT = "error_event"  # an in-band error event with code >= 500
+    ABORT = "abort"  # finish_reason "abort" (the engine aborted it)
+    STALL = "stall"  # silent for the lane's stream_idle_timeout_s, or the replica ejected
+
+
+# Fields that end eligibility when present and meaningful; each maps to its refusal.
+_STRUCTURED_KEYS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding",
+)
+# Copied verbatim into the continuation: they shape sampling, not the prompt.
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
+    "allowed_token_ids", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "cache_salt", "priority", "length_penalty",
+)  # fmt: skip
+
+
+def _truthy_list(value: Any) -> bool:
+    return bool(value) if isinstance(value, (list, str, dict)) else value is not None
+
+
+def eligibility(
+    kind: str,
+    body: dict[str, Any],
+    *,
+    enabled: bool,
+    refuse_when_seeded: bool,
+) -> Refusal | None:
+    """None when a streamed request can be continued token-exact, else why not."""
+    if not enabled:
+        return Refusal.DISABLED
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if v is not None and v != 1:
+            return Refusal.N
+    tools = body.get("tools") or body.get("functions")
+    if tools and body.get("tool_choice") != "none":
+        return Refusal.TOOLS
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return Refusal.STRUCTURED
+    if any(body.get(k) is not None for k in _STRUCTURED_KEYS):
+        return Refusal.STRUCTURED
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
+        return Refusal.LOGPROBS
+    if _truthy_list(body.get("stop")):
+        return Refusal.STOP
+    if body.get("echo") or body.get("kv_transfer_params") is not None:
+        return Refusal.CONTENT
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return Refusal.CONTENT
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list) and any(
+                not isinstance(p, dict) or p.get("type") != "text" for p in content
+            ):
+                return Refusal.CONTENT
+    else:
+        prompt = body.get("prompt")
+        token_prompt = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        if not (isinstance(prompt, str) or (token_prompt and prompt)):
+            return Refusal.CONTENT  # a batch of prompts, or none
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return Refusal.USAGE_STATS
+    if refuse_when_seeded and body.get("seed") is not None:
+        temperature = body.get("temperature")
+        # Unset means the model's default, which is sampling for most models.
+        if temperature is None or temperature > 0:
+            return Refusal.SEEDED
+    return None
+
+
+def forward_body(body: dict[str, Any]) -> bytes:
+    """The eligible request as sent upstream: asking for token ids."""
+    return json.dumps({**body, "return_token_ids": True}, separators=_COMPACT).encode()
+
+
+# vLLM writes chunks as compact JSON; ids are integers. Nulled, not removed, so a client that
+# did not ask sees exactly what vLLM sends without the flag.
+_IDS = re.compile(rb'("(?:prompt_)?token_ids":\s*)\[[0-9,\s]*\]')
+
+
+def strip_ids(event: bytes) -> bytes:
+    """An event with its ``prompt_token_ids`` / ``token_ids`` lists replaced by null."""
+    if b"token_ids" not in event:
+        return event
+    return _IDS.sub(rb"\1null", event)
+
+
+class Splice:
+    """One continuable stream: its identity, the ids so far and the seams made.
+
+    ``ids`` are every generated id; ``text_ids`` how many of them ended in a chunk that
+    carried text (or finished): a trailing id without text (the first bytes of a character
+    spanning several ids) was never shown, so it is regenerated rather than replayed."""
+
+    __slots__ = (
+        "body",
+        "client_wants_ids",
+        "created",
+        "deadline",
+        "failure",
+        "finish_reason",
+        "id",
+        "ids",
+        "kind",
+        "max_tokens",
+        "model",
+        "prompt_ids",
+        "reasoning_open",
+        "seams",
+        "system_fingerprint",
+        "text_ids",
+        "tool_call",
+        "wants_usage",
+    )
+
+    def __init__(self, kind: str, body: dict[str, Any], wants_usage: bool) -> None:
+        self.kind = kind
+        self.body = body
+        self.wants_usage = wants_usage
+        self.client_wants_ids = body.get("return_token_ids") is True
+        mt = body.get("max_completion_tokens")
+        if mt is None:
+            mt = body.get("max_tokens")
+        if mt is None and kind == "completion":
+            mt = 16  # vLLM's default on /v1/completions
+        self.max_tokens: int | None = mt if isinstance(mt, int) else None
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.text_ids = 0
+        self.id: Any = None
+        self.created: Any = None
+        self.model: Any = None
+        self.system_fingerprint: Any = None
+        self.finish_reason: str | None = None
+        self.reasoning_open = False
+        self.tool_call = False
+        self.seams: list[dict[str, Any]] = []
+        self.deadline: float | None = None  # the request's, event loop time
+        self.failure: FailureKind | None = None  # the first replica's, told to the fleet
+
+    # -- the first segment -----------------------------------------------------------------
+
+    def observe(self, obj: dict[str, Any]) -> Trigger | None:
+        """Note one chunk of the stream (first segment or continuation); ``ABORT`` when it
+        is the engine's abort ending, which is not relayed."""
+        if self.id is None:
+            self.id = obj.get("id")
+            self.created = obj.get("created")
+            self.model = obj.get("model")
+        fp = obj.get("system_fingerprint")
+        if fp is not None and self.system_fingerprint is None:
+            self.system_fingerprint = fp
+        top = obj.get("prompt_token_ids")
+        if isinstance(top, list) and self.prompt_ids is None:
+            self.prompt_ids = top
+        choices = obj.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        if self.prompt_ids is None:
+            p = choice.get("prompt_token_ids")  # completions put them on the choice
+            if isinstance(p, list):
+                self.prompt_ids = p
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.ids.extend(ids)
+        finish = choice.get("finish_reason")
+        if finish == "abort":
+            return Trigger.ABORT
+        text = choice.get("text")
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("tool_calls"):
+                self.tool_call = True
+            if delta.get("reasoning_content") or delta.get("reasoning"):
+                self.reasoning_open = True
+            text = delta.get("content")
+        if text:
+            self.reasoning_open = False
+            self.text_ids = len(self.ids)
+        if finish is not None:
+            self.finish_reason = finish
+            self.text_ids = len(self.ids)
+        return None
+
+    # -- the seam --------------------------------------------------------------------------
+
+    def refusal(self, max_attempts: int, max_seq_len: int) -> Refusal | None:
+        """Why the stream, failed now, cannot be continued; None when it can."""
+        if self.tool_call:
+            return Refusal.TOOLS
+        if self.reasoning_open:
+            return Refusal.REASONING
+        if self.prompt_ids is None:
+            return Refusal.NO_IDS
+        if len(self.prompt_ids) + self.text_ids > max_seq_len:
+            return Refusal.SEQ_LEN
+        if len(self.seams) >= max_attempts:
+            return Refusal.LIMIT
+        return None
+
+    def exhausted(self) -> bool:
+        """Every allowed token was generated: the gateway finishes with ``length`` itself."""
+        return self.max_tokens is not None and self.text_ids >= self.max_tokens
+
+    def continuation_body(self, model: str | None) -> dict[str, Any]:
+        """The ``/v1/completions`` request that goes on from the last id the client saw."""
+        assert self.prompt_ids is not None
+        del self.ids[self.text_ids :]  # ids that produced no text yet are regenerated
+        remaining = None if self.max_tokens is None else self.max_tokens - self.text_ids
+        out: dict[str, Any] = {
+            "model": model if model is not None else self.model,
+            "prompt": self.prompt_ids + self.ids,
+            "max_tokens": remaining,  # null lifts the completions default of 16
+            "stream": True,
+            "return_token_ids": True,
+        }
+        if self.wants_usage:
+            out["stream_options"] = {"include_usage": True}
+        for key in SAMPLING_KEYS:
+            if key in self.body:
+                out[key] = self.body[key]
+        mn = self.body.get("min_tokens")
+        if isinstance(mn, int) and mn > 0:
+            out["min_tokens"] = max(0, mn - self.text_ids)
+        return out
+
+    def splice(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation chunk as the client's stream carries it; None to drop it."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+        choices = obj.get("choices")
+        usage = obj.get("usage")
+        if not choices:
+            if not isinstance(usage, dict) or not self.wants_usage:
+                return None
+            out["choices"] = []
+            out["usage"] = self.usage()
+            if self.system_fingerprint is not None:
+                out["system_fingerprint"] = self.system_fingerprint
+            return out
+        c = choices[0]
+        ids = c.get("token_ids") if self.client_wants_ids else None
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["delta"] = {"content": c.get("text") or ""}
+            choice["logprobs"] = None
+        else:
+            choice["text"] = c.get("text") or ""
+            choice["logprobs"] = None
+        choice["finish_reason"] = c.get("finish_reason")
+        choice["stop_reason"] = c.get("stop_reason")
+        choice["token_ids"] = ids
+        out["choices"] = [choice]
+        return out
+
+    def take(self, ev: bytes) -> tuple[bytes, Trigger | None, bool, bool, str]:
+        """One event of a continuation: (bytes for the client, the trigger when it failed,
+        whether it was ``[DONE]``, whether it carried content, the words for a failure)."""
+        obj = sse.parse_event(ev)
+        if obj is sse.DONE:
+            return b"data: [DONE]\n\n", None, True, False, ""
+        if not isinstance(obj, dict):
+            if sse.event_data(ev) is None:
+                return b"", None, False, False, ""  # a comment
+            return b"", Trigger.ERROR_EVENT, False, False, "a chunk that is not JSON"
+        if sse.is_error(obj):
+            err = obj.get("error")
+            msg = err.get("message", "") if isinstance(err, dict) else err
+            return b"", Trigger.ERROR_EVENT, False, False, f"error event: {str(msg)[:200]}"
+        if self.observe(obj) is Trigger.ABORT:
+            return b"", Trigger.ABORT, False, False, "the engine aborted it"
+        out = self.splice(obj)
+        if out is None:
+            return b"", None, False, False, ""
+        return event(out), None, False, sse.carries_content(out), ""
+
+    def usage(self) -> dict[str, int]:
+        """The whole answer's usage: the original prompt, every generated token."""
+        p = len(self.prompt_ids or ())
+        g = len(self.ids)
+        return {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g}
+
+    def length_ending(self) -> list[dict[str, Any]]:
+        """The chunks that finish an answer whose max tokens were all generated."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None}
+        if self.kind == "chat":
+            choice["delta"] = {"content": ""}
+        else:
+            choice["text"] = ""
+        choice["logprobs"] = None
+        head = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+        out = [{**head, "choices": [choice]}]
+        if self.wants_usage:
+            out.append({**head, "choices": [], "usage": self.usage()})
+        return out
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=_COMPACT).encode() + b"\n\n"
+
+
+def error_code(obj: dict[str, Any]) -> int:
+    """The code of an in-band error event (500 when it names none)."""
+    err = obj.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    try:
+        return int(code) if code is not None else 500
+    except (TypeError, ValueError):
+        return 500
+
+
+KEEPALIVE = b": keep-alive\n\n"

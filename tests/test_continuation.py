@@ -1,0 +1,251 @@
+"""Token-exact continuation: the eligibility table, the splice's pure parts, and streams cut
+by a simulator replica and continued on another, over real sockets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.sim.server import run_sim
+from loadtest.sim.settings import SimSettings
+from proxy.relay.continuation import Refusal, Splice, Trigger, eligibility, strip_ids
+
+from .gateway import policy_for, running_gateway
+
+MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
+BASE: dict[str, Any] = {"messages": MSGS, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "expected"),
+    [
+        ("chat", {}, None),
+        ("chat", {"n": 1}, None),
+        ("chat", {"n": 2}, Refusal.N),
+        ("completion", {"best_of": 3, "prompt": "x"}, Refusal.N),
+        ("chat", {"tools": [{"type": "function"}]}, Refusal.TOOLS),
+        ("chat", {"tools": [{"type": "function"}], "tool_choice": "none"}, None),
+        ("chat", {"response_format": {"type": "json_object"}}, Refusal.STRUCTURED),
+        ("chat", {"response_format": {"type": "text"}}, None),
+        ("chat", {"structured_outputs": {"json": {}}}, Refusal.STRUCTURED),
+        ("chat", {"guided_regex": "a+"}, Refusal.STRUCTURED),
+        ("chat", {"logprobs": True}, Refusal.LOGPROBS),
+        ("chat", {"logprobs": False}, None),
+        ("completion", {"prompt": "x", "logprobs": 2}, Refusal.LOGPROBS),
+        ("chat", {"stop": ["\n\nUser:"]}, Refusal.STOP),
+        ("chat", {"stop": "x"}, Refusal.STOP),
+        ("chat", {"stop": []}, None),
+        ("completion", {"prompt": "x", "echo": True}, Refusal.CONTENT),
+        ("completion", {"prompt": ["a", "b"]}, Refusal.CONTENT),
+        ("completion", {"prompt": [1, 2, 3]}, None),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         Refusal.CONTENT),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
+         None),
+        ("chat", {"stream_options": {"continuous_usage_stats": True}}, Refusal.USAGE_STATS),
+        ("chat", {"seed": 1, "temperature": 0.7}, None),
+    ],
+)  # fmt: skip
+def test_eligibility_table(kind: str, extra: dict[str, Any], expected: Refusal | None) -> None:
+    body = {**BASE, **extra}
+    if kind == "completion":
+        body.pop("messages")
+    assert eligibility(kind, body, enabled=True, refuse_when_seeded=False) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"seed": 1, "temperature": 0.7}, Refusal.SEEDED),
+        ({"seed": 1}, Refusal.SEEDED),  # unset temperature: the model's default samples
+        ({"seed": 1, "temperature": 0}, None),
+        ({"temperature": 0.7}, None),
+    ],
+)
+def test_seeded_refused_only_when_the_policy_says(
+    extra: dict[str, Any], expected: Refusal | None
+) -> None:
+    body = {**BASE, **extra}
+    assert eligibility("chat", body, enabled=True, refuse_when_seeded=True) == expected
+
+
+def test_disabled_refuses_everything() -> None:
+    assert eligibility("chat", BASE, enabled=False, refuse_when_seeded=False) is Refusal.DISABLED
+
+
+def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:
+    ev = b'data: {"id":"x","prompt_token_ids":[1, 2,3],"choices":[{"token_ids":[4],"x":1}]}'
+    out = json.loads(strip_ids(ev)[6:])
+    assert out == {"id": "x", "prompt_token_ids": None, "choices": [{"token_ids": None, "x": 1}]}
+    assert strip_ids(b'data: {"a":1}') == b'data: {"a":1}'
+
+
+def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> None:
+    sp = Splice("chat", {**BASE, "max_tokens": 10, "temperature": 0, "min_tokens": 5}, True)
+    role = {"id": "c1", "created": 7, "model": "m", "prompt_token_ids": [1, 2],
+            "choices": [{"delta": {"role": "assistant", "content": ""}, "token_ids": []}]}  # fmt: skip
+    assert sp.observe(role) is None
+    sp.observe({"choices": [{"delta": {"content": "a"}, "token_ids": [10]}]})
+    sp.observe({"choices": [{"delta": {"content": ""}, "token_ids": [240]}]})  # a byte, no text
+    body = sp.continuation_body("m")
+    assert body["prompt"] == [1, 2, 10]
+    assert body["max_tokens"] == 9 and body["min_tokens"] == 4 and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True} and "messages" not in body
+    chunk = sp.splice({"id": "cmpl-z", "created": 9, "model": "m",
+                       "choices": [{"text": "b", "token_ids": [11], "finish_reason": None}]})  # fmt: skip
+    assert chunk is not None
+    assert (chunk["id"], chunk["created"], chunk["object"]) == ("c1", 7, "chat.completion.chunk")
+    assert chunk["choices"][0]["delta"] == {"content": "b"}
+    assert chunk["choices"][0]["token_ids"] is None  # the client did not ask
+    assert sp.observe({"choices": [{"text": "", "finish_reason": "abort"}]}) is Trigger.ABORT
+    sp.observe({"choices": [{"text": "b", "token_ids": [11]}]})
+    assert sp.usage() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+def test_max_tokens_reached_is_finished_not_continued() -> None:
+    sp = Splice("chat", {**BASE, "max_tokens": 1}, False)
+    sp.observe({"id": "c", "prompt_token_ids": [1],
+                "choices": [{"delta": {"content": "a"}, "token_ids": [5]}]})  # fmt: skip
+    assert sp.exhausted()
+    (end,) = sp.length_ending()
+    assert end["choices"][0]["finish_reason"] == "length"
+
+
+def test_seam_inside_reasoning_or_after_a_tool_call_is_refused() -> None:
+    sp = Splice("chat", BASE, False)
+    sp.observe({"prompt_token_ids": [1], "choices": [{"delta": {"reasoning_content": "hm"}}]})
+    assert sp.refusal(1, 100) is Refusal.REASONING
+    sp.observe({"choices": [{"delta": {"content": "ok"}}]})
+    assert sp.refusal(1, 100) is None
+    assert sp.refusal(1, 0) is Refusal.SEQ_LEN
+    sp.observe({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})
+    assert sp.refusal(1, 100) is Refusal.TOOLS
+
+
+# -- over real sockets ----------------------------------------------------------------------
+
+SETTINGS = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.0,
+                       request_overhead_s=0.0)  # fmt: skip
+
+
+def _events(raw: str) -> list[Any]:
+    out: list[Any] = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(
+        (c.get("delta") or {}).get("content") or c.get("text") or ""
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices") or []
+    )
+
+
+@pytest.fixture
+async def fleet():
+    """Replica ``a`` (the lane's pool) and ``b`` (its spill pool): a stream starts on ``a``
+    and is continued on ``b``."""
+    async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b", "stream_idle_timeout_s": 3.0}],
+        )
+        async with running_gateway(policy) as (url, app):
+            async with httpx.AsyncClient(timeout=30) as client:
+                yield a, b, url, app, client
+
+
+async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
+    resp = await client.post(url + "/v1/chat/completions", json={**BASE, **body})
+    assert resp.status_code == 200, resp.text
+    return _events(resp.text)
+
+
+def _count(app: Any, name: str, **labels: str) -> float:
+    return app.gateway.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize(
+    ("fault", "trigger"),
+    [
+        ({"fault": "cut_close", "after_tokens": 40}, "eof"),
+        ({"fault": "cut_reset", "after_tokens": 25}, "reset"),
+        ({"fault": "cut_error", "after_tokens": 10}, "error_event"),
+        ({"fault": "cut_abort", "after_tokens": 10}, "abort"),
+        ({"fault": "stall", "after_tokens": 20}, "stall"),
+    ],
+)
+async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger) -> None:
+    a, b, url, app, client = fleet
+    body = {"max_tokens": 60, "temperature": 0, "stream_options": {"include_usage": True}}
+    ref = await _chat(client, url, body)
+    await a.set_fault(fault)
+    try:
+        got = await _chat(client, url, body)
+    finally:
+        await a.set_fault(None)
+    assert _text(got) == _text(ref) and _text(got)
+    assert got[-1] == "[DONE]" and got.count("[DONE]") == 1
+    chunks = [e for e in got if isinstance(e, dict)]
+    assert not any("error" in e for e in chunks)
+    assert {e["id"] for e in chunks} == {ref[0]["id"].replace(ref[0]["id"], chunks[0]["id"])}
+    assert len({e["created"] for e in chunks}) == 1
+    roles = [e for e in chunks if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert len(roles) == 1
+    assert all(e.get("prompt_token_ids") is None for e in chunks)
+    assert all(c.get("token_ids") is None for e in chunks for c in e["choices"])
+    finishes = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 60
+    assert chunks[-1]["usage"]["prompt_tokens"] == ref[-2]["usage"]["prompt_tokens"]
+    cont_req = [r for r in b.requests() if r["path"] == "/v1/completions"][-1]
+    assert cont_req["body"]["max_tokens"] == 60 - fault["after_tokens"]
+    assert _count(app, "tokenlane_continuations_total", lane="all", trigger=trigger,
+                  outcome="ok") == 1  # fmt: skip
+
+
+async def test_ineligible_stream_ends_with_the_error_event(fleet) -> None:
+    a, b, url, _app, client = fleet
+    await a.set_fault({"fault": "cut_error", "after_tokens": 5})
+    got = await _chat(client, url, {"max_tokens": 30, "stop": ["zzzz"]})
+    assert got[-1] == "[DONE]" and "error" in got[-2]
+    assert not [r for r in b.requests() if r["path"] == "/v1/completions"]
+    chunks = [e for e in got if isinstance(e, dict) and "choices" in e]
+    assert chunks and all(c.get("token_ids") is None for e in chunks for c in e["choices"])
+
+
+async def test_a_client_asking_for_ids_gets_them_all(fleet) -> None:
+    a, _b, url, _app, client = fleet
+    body = {"max_tokens": 30, "return_token_ids": True}
+    ref = await _chat(client, url, body)
+    await a.set_fault({"fault": "cut_close", "after_tokens": 12})
+    got = await _chat(client, url, body)
+    ids = [
+        i
+        for e in got
+        if isinstance(e, dict)
+        for c in e["choices"]
+        for i in c.get("token_ids") or []
+    ]
+    ref_ids = [i for e in ref if isinstance(e, dict) for c in e["choices"]
+               for i in c.get("token_ids") or []]  # fmt: skip
+    assert ids == ref_ids and len(ids) == 30
+    assert got[0]["prompt_token_ids"] == ref[0]["prompt_token_ids"]
+
+
+async def test_no_other_replica_ends_with_the_error_event(fleet) -> None:
+    a, b, url, app, client = fleet
+    await b.set_fault({"fault": "cut_close", "after_tokens": 2})
+    await a.set_fault({"fault": "cut_close", "after_tokens": 5})
+    got = await _chat(client, url, {"max_tokens": 30})
+    assert got[-1] == "[DONE]" and "error" in got[-2]
+    assert _count(app, "tokenlane_continuations_total", lane="all", trigger="eof",
+                  outcome="failed") == 1  # fmt: skip
