@@ -60,6 +60,10 @@ def uvicorn_config(app: ASGIApp, *, loop: str = "none") -> uvicorn.Config:
         access_log=False,
         timeout_graceful_shutdown=1,
         timeout_keep_alive=5,  # vLLM's (uvicorn's default)
+        # The scope's client stays the TCP peer: faults that reset "this request's connection"
+        # find its socket by that address. A gateway in front sends X-Forwarded-For, which
+        # uvicorn's proxy-headers default would put there instead (with port 0).
+        proxy_headers=False,
     )
 
 
