@@ -1,4 +1,4 @@
-"""``tokenlane serve / check / schema / explain / sim / demo / loadtest`` (DESIGN 4.1)."""
+"""``tokenlane serve / check / schema / explain / sim / demo / loadtest`` (docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def package_version() -> str:
 
 MiB = 1024 * 1024
 
-# Keys that a reload cannot change (DESIGN 4.2 marks the others with †); a reload that changes
+# Keys that a reload cannot change (docs/policy.md marks them *restart*); a reload that changes
 # one of these is applied for the rest and reported as needing a restart.
 RESTART_KEYS: tuple[str, ...] = (
     "server.host",

@@ -185,6 +185,14 @@ class UpstreamFailed(GatewayError):
     type = "BadGatewayError"
 
 
+class StreamCut(GatewayError):
+    """A stream that had started and could not be finished: told in-band, as vLLM ends a failed
+    stream (``sse_error_event``), since its status line has gone."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
 class UpstreamBusy(GatewayError):
     """Every replica tried answered 429 / 503: come back later (with ``Retry-After``)."""
 

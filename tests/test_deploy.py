@@ -301,7 +301,7 @@ def seconds(duration: str) -> float:
 def gateway_scrape() -> str:
     """The gateway's /metrics after real traffic through every lane, a retry, a spill, a
     rejection and an operator ejection (the scrape ``tests/test_metrics.py`` checks against
-    DESIGN 4.4)."""
+    the metrics contract)."""
     from .test_metrics import scrape_after_traffic
 
     async def first_scrape() -> str:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.config import build_policy
+from proxy.policyfile import build_policy
 from proxy.edge.endpoint import forwarding_headers, without_connection_named
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app

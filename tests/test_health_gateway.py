@@ -243,7 +243,7 @@ async def test_silent_first_tokens_eject_for_first_token_timeout() -> None:
 )
 async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(fault) -> None:
     # A crash resets the requests it held after they were sent: retried only on opt-in
-    # (RELIABILITY 6), which this test takes to see them all served. Every refused connect is
+    # (docs/http.md, "Retries, as the client sees them"), which this test takes to see them all served. Every refused connect is
     # retried too, and on a loaded machine more than the default budget's 3 retries can be in
     # flight at once (the budget rightly answers 502 then): out of this test's way.
     retry: dict[str, Any] = {"budget_ratio": 1.0}

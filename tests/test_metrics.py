@@ -1,4 +1,4 @@
-"""Every metric of DESIGN 4.4 is emitted with its labels after real traffic (every lane, a
+"""Every metric of the contract (docs/operations.md, "Metrics") is emitted with its labels after real traffic (every lane, a
 retry, a spill, a rejection, an ejection), and `promtool check metrics` accepts the scrape."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
 
-# DESIGN 4.4: name -> label names (counters without their _total suffix, as parsed).
+# The metrics contract: name -> label names (counters without their _total suffix, as parsed).
 CONTRACT = {
     "tokenlane_requests": {"lane", "pool", "replica", "status"},
     "tokenlane_ttft_seconds": {"lane", "pool"},

@@ -1,4 +1,4 @@
-"""Pass-through endpoints (DESIGN 4.3) over real sockets: a streamed transcription reaches the
+"""Pass-through endpoints (docs/http.md, "Endpoints") over real sockets: a streamed transcription reaches the
 client event by event, a multipart upload reaches the replica byte for byte, a whole answer
 keeps its length, a client that leaves closes the upstream, and a body cut by the replica
 reaches the client cut, never looking whole."""

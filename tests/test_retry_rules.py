@@ -1,4 +1,4 @@
-"""Which failures are retried and for how long (DESIGN 5 "Retries", RELIABILITY 6): one
+"""Which failures are retried and for how long (docs/architecture.md "Retries", docs/http.md): one
 deadline for all attempts, and a reset after the request was sent retried only on opt-in,
 once. Over real sockets against the wire-level fake."""
 

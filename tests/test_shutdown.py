@@ -1,4 +1,4 @@
-"""Graceful shutdown (RELIABILITY T13): on SIGTERM `/ready` fails at once, new requests get 503
+"""Graceful shutdown (docs/http.md, "Shutdown"): on SIGTERM `/ready` fails at once, new requests get 503
 with Retry-After, streams shorter than the grace finish, longer ones are cut at its end with
 the OpenAI-shaped error event and `data: [DONE]` (no traceback in the log), and the process
 exits."""

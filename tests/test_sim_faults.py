@@ -1,4 +1,4 @@
-"""Each fault of DESIGN 4.5 (and ``engine_dead``) over real sockets: what it does, and that it
+"""Each fault of the simulator (and ``engine_dead``) over real sockets: what it does, and that it
 lifts."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.fake_upstream import stream_events
+from proxy.errors import StreamCut, sse_error_event
 from proxy.relay import sse
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -319,7 +320,7 @@ def test_last_usage_reads_a_crlf_tail() -> None:
 
 
 def test_error_event_is_an_openai_error_then_done() -> None:
-    raw = sse.error_event("replica went away")
+    raw = sse_error_event(StreamCut("replica went away"))
     assert raw.endswith(b"\n\ndata: [DONE]\n\n")
     events = list(sse.EventBuffer().feed(raw))
     assert len(events) == 2
@@ -336,7 +337,12 @@ def test_error_event_is_an_openai_error_then_done() -> None:
     assert sse.parse_event(events[1]) is sse.DONE
 
 
-def test_error_event_carries_the_given_type_and_code() -> None:
-    events = list(sse.EventBuffer().feed(sse.error_event('a "quoted"\nline', "Timeout", 504)))
+def test_error_event_carries_the_given_code_and_escapes_the_message() -> None:
+    err_in = StreamCut('a "quoted"\nline', code=504)
+    events = list(sse.EventBuffer().feed(sse_error_event(err_in)))
     err = sse.parse_event(events[0])["error"]
-    assert (err["message"], err["type"], err["code"]) == ('a "quoted"\nline', "Timeout", 504)
+    assert (err["message"], err["type"], err["code"]) == (
+        'a "quoted"\nline',
+        "ServiceUnavailableError",
+        504,
+    )

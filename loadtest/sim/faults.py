@@ -1,10 +1,12 @@
-"""The fault contract of DESIGN 4.5, as plain data: which faults exist, their parameters, and
-how a request body or command-line flags become a :class:`Fault`. Applying one is the server's
-job (``server.py``); this module only decides what is valid.
+"""The simulator's fault contract (docs/architecture.md, "The simulator"), as plain data:
+which faults exist, their parameters, and how a request body or command-line flags become a
+:class:`Fault`. Applying one is the server's job (``server.py``); this module only decides what
+is valid.
 
-``engine_dead`` is an extension beyond DESIGN's table: vLLM's EngineCore process dies. Running
-streams get the in-stream error event, plain requests in flight and new requests get HTTP 500,
-and ``/health`` answers 503 with an empty body, until the fault is lifted (a fresh engine).
+``engine_dead`` is an extension beyond the first fault table: vLLM's EngineCore process dies.
+Running streams get the in-stream error event, plain requests in flight and new requests get
+HTTP 500, and ``/health`` answers 503 with an empty body, until the fault is lifted (a fresh
+engine).
 
 The ``cut_*`` faults end each stream once it has sent ``after_tokens`` tokens (of any choice),
 the ways a replica can fail mid-stream: ``cut_close`` ends the HTTP response without

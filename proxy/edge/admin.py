@@ -1,4 +1,4 @@
-"""The admin API (DESIGN 4.3): see the fleet, move replicas by hand, reload the policy.
+"""The admin API (docs/operations.md): see the fleet, move replicas by hand, reload the policy.
 
 Auth: when the environment variable named by ``server.admin_token_env`` is set, every call needs
 ``Authorization: Bearer <token>`` (compared in constant time); when it is unset, only loopback

@@ -1,4 +1,4 @@
-"""Client keys and the per-key rate limit check (DESIGN 4.2 ``server.api_keys_env``, 4.3).
+"""Client keys and the per-key rate limit check (docs/http.md, "Client keys and rate limits").
 
 When the environment variable named by ``server.api_keys_env`` holds comma-separated keys,
 every ``/v1/*`` path and every relayed path needs ``Authorization: Bearer <key>``; otherwise 401

@@ -599,7 +599,7 @@ def uvicorn_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn with a drain in front of its shutdown (RELIABILITY 4).
+    """uvicorn with a drain in front of its shutdown (docs/http.md, "Shutdown").
 
     uvicorn closes its listeners on the first SIGTERM, which a load balancer sees as refused
     connections. Here the first SIGTERM (or Ctrl-C) only starts a drain: ``/ready`` fails at

@@ -3,7 +3,7 @@
 No I/O and no clock of their own: every function takes the times it needs, so tests drive them
 with made-up numbers. ``fleet.py`` owns the state and calls these to decide.
 
-Decisions documented here (DESIGN 4.2 / 5 leave them open):
+Decisions documented here (the policy keys in docs/policy.md leave them open):
 
 - **Stall.** A stall is declared from scrapes alone: ``running > 0`` at every scrape of a span of
   at least ``stall_after_s`` during which prompt + generation counters did not change. The span

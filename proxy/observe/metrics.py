@@ -1,5 +1,5 @@
-"""The Prometheus metric objects (DESIGN 4.4). Names and labels are a contract with dashboards
-and alert rules in ``deploy/``; change them only on purpose.
+"""The Prometheus metric objects (docs/operations.md). Names and labels are a contract with
+dashboards and alert rules in ``deploy/``; change them only on purpose.
 
 Each gateway builds its own ``Metrics`` on its own registry, so several gateways can live in one
 test process and ``/metrics`` shows only this gateway's series.

@@ -32,6 +32,7 @@ from proxy.errors import (
     Rejected,
     RetryableFailure,
     ShuttingDown,
+    StreamCut,
     UpstreamBusy,
     UpstreamClosed,
     UpstreamError,
@@ -703,7 +704,11 @@ class Relay:
                 }
             )
         await send(
-            {"type": "http.response.body", "body": sse.error_event(message), "more_body": False}
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(StreamCut(message)),
+                "more_body": False,
+            }
         )
 
     # -- continuation (proxy.relay.continuation) ------------------------------------------

@@ -120,9 +120,3 @@ def last_usage(tail: bytes) -> dict[str, Any] | None:
         return None
     obj = parse_event(tail[start : end if end >= 0 else len(tail)])
     return usage_of(obj)
-
-
-def error_event(message: str, type_: str = "ServiceUnavailableError", code: int = 503) -> bytes:
-    """An OpenAI-shaped error event followed by ``[DONE]``, as vLLM ends a failed stream."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"

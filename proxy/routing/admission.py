@@ -1,4 +1,4 @@
-"""Admission: per-lane limits and bounded priority queues (DESIGN 2 and 5; issue 5).
+"""Admission: per-lane limits and bounded priority queues (docs/operations.md).
 
 A request is dispatched at once when its lane is below its ``max_in_flight``, nobody of its lane
 waits before it, and some replica of its pool or ``spill_to`` pool is healthy, serves the model

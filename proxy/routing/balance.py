@@ -4,7 +4,7 @@ Pure functions over a snapshot. The caller has already filtered the candidates (
 the model, not yet tried for this request, not saturated) and owns the round-robin counter; this
 module only chooses. Randomness comes from an injected ``random.Random`` so tests are repeatable.
 
-Strategies (DESIGN 5):
+Strategies (docs/architecture.md, "Routing"):
 
 - ``round_robin``: ``candidates[rr_index % n]``.
 - ``least_loaded``: power of two choices (Mitzenmacher). Two distinct candidates drawn at random,

@@ -1,4 +1,4 @@
-"""Per-key rate limits (DESIGN 4.2 ``rate_limits.*``): requests and estimated tokens per minute.
+"""Per-key rate limits (docs/policy.md): requests and estimated tokens per minute.
 
 Each key has two token buckets, one per limit, of capacity ``limit`` refilling continuously at
 ``limit / 60`` per second, so a key may burst a whole minute's budget and then goes on at the
