@@ -14,6 +14,7 @@ from loadtest.sim.settings import SimSettings
 from proxy.relay.continuation import Refusal, Splice, Trigger, eligibility, strip_ids
 
 from .gateway import policy_for, running_gateway
+from .waiting import wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
 BASE: dict[str, Any] = {"messages": MSGS, "stream": True}
@@ -193,7 +194,7 @@ def _count(app: Any, name: str, **labels: str) -> float:
         ({"fault": "stall", "after_tokens": 20}, "stall"),
     ],
 )
-async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger) -> None:
+async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger, access_lines) -> None:
     a, b, url, app, client = fleet
     body = {"max_tokens": 60, "temperature": 0, "stream_options": {"include_usage": True}}
     ref = await _chat(client, url, body)
@@ -226,6 +227,14 @@ async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger) -> N
         if m.name == "tokenlane_continuations_total"
     }
     assert counted == {(trigger, "ok"): 1}
+    # The access line of the continued request names its seam.
+    await wait_until(lambda: len(access_lines) >= 2, what="both access lines")
+    (plain,) = [line for line in access_lines if line["continuations"] is None]
+    (continued,) = [line for line in access_lines if line["continuations"] is not None]
+    (seam,) = continued["continuations"]
+    assert seam["trigger"] == trigger and seam["to"] == continued["replica"]
+    assert seam["from"] == plain["replica"] != seam["to"]
+    assert 0 < seam["at_token"] <= fault["after_tokens"]
 
 
 async def test_ineligible_stream_ends_with_the_error_event(fleet) -> None:

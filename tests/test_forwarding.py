@@ -7,18 +7,14 @@ produced an error (``error_origin``: gateway or replica; null on success)."""
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.policyfile import build_policy
 from proxy.edge.endpoint import forwarding_headers, without_connection_named
 from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
+from proxy.policyfile import build_policy
 
 from .gateway import policy_for, running_gateway, wait_ready
 from .servers import serve_app
@@ -97,29 +93,6 @@ async def test_trusted_proxy_forwarding_claims_are_kept_and_appended() -> None:
     assert got["x-forwarded-for"] == "1.2.3.4, 127.0.0.1"
     assert got["forwarded"] == "for=1.2.3.4, for=127.0.0.1"
     assert "x-secret" not in got
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[dict[str, object]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(json.loads(record.getMessage()))
-
-
-@pytest.fixture
-def access_lines() -> Iterator[list[dict[str, object]]]:
-    logger = logging.getLogger("tokenlane.access")
-    handler = _Lines()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 async def test_refusals_leave_access_lines_with_their_error_origin(

@@ -49,7 +49,15 @@ def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:
         "error_origin": call.error_origin,
         # cache_aware pools only: the prompt tokens the chosen replica was judged to hold
         "prefix_match_tokens": call.prefix_match_tokens,
+        # each seam of a stream continued on another replica: from, to, at_token, trigger
+        "continuations": _seams(call),
     }
+
+
+def _seams(call: Call) -> list[dict[str, Any]] | None:
+    splice = call.continuation
+    seams = getattr(splice, "seams", None) if splice is not None else None
+    return list(seams) if seams else None
 
 
 def refusal_record(
@@ -80,6 +88,7 @@ def refusal_record(
         "client_disconnected": None,
         "error_origin": "gateway",
         "prefix_match_tokens": None,
+        "continuations": None,
     }
 
 
