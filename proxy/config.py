@@ -371,6 +371,16 @@ class ContinuationConfig(_Strict):
     max_seq_len: int = key(
         32768, "Prompt + generated tokens above this are not continued.", "tokens", ge=1
     )
+    # A replica that dies with many streams must not send them all to re-prefill on one
+    # survivor at once: a continuation waits (the client gets keep-alives) for a slot, up to
+    # start_timeout_s.
+    max_in_flight: int = key(
+        64, "Continuations re-prefilling at once (start to first token), gateway-wide.",
+        "continuations", ge=1,
+    )  # fmt: skip
+    max_in_flight_per_replica: int = key(
+        8, "Continuations re-prefilling at once on one target replica.", "continuations", ge=1
+    )
     refuse_when_seeded: bool = key(
         False,
         "Do not continue a seeded request with temperature > 0 (a continued one is a valid "

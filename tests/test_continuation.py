@@ -3,6 +3,7 @@ by a simulator replica and continued on another, over real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 from proxy.relay.continuation import Refusal, Splice, Trigger, eligibility, strip_ids
+from proxy.relay.reprefill import Reprefills, has_room
 
 from .gateway import policy_for, running_gateway
 from .waiting import wait_until
@@ -274,3 +276,63 @@ async def test_no_other_replica_ends_with_the_error_event(fleet) -> None:
     assert got[-1] == "[DONE]" and "error" in got[-2]
     assert _count(app, "tokenlane_continuations_total", lane="all", trigger="eof",
                   outcome="failed") == 1  # fmt: skip
+
+
+# -- re-prefill bounds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "on_target", "max_total", "max_per_replica", "expected"),
+    [
+        (0, 0, 1, 1, True),
+        (1, 0, 1, 8, False),  # the gateway's bound
+        (3, 2, 64, 2, False),  # the target's bound
+        (3, 1, 64, 2, True),
+    ],
+)
+def test_reprefill_room(
+    total: int, on_target: int, max_total: int, max_per_replica: int, expected: bool
+) -> None:
+    assert has_room(total, on_target, max_total, max_per_replica) is expected
+
+
+async def test_a_slot_is_given_back_once_and_wakes_a_waiter() -> None:
+    slots = Reprefills()
+    first = slots.try_take("b", 64, 1)
+    assert first is not None and slots.try_take("b", 64, 1) is None and slots.full == 1
+    assert slots.try_take("c", 64, 1) is not None  # another replica has its own bound
+    waiter = asyncio.ensure_future(slots.freed(30))
+    await asyncio.sleep(0)
+    first.release()
+    first.release()
+    await waiter
+    assert slots.by_replica == {"c": 1} and slots.total == 1
+    assert slots.peak_by_replica == {"b": 1, "c": 1}
+
+
+async def test_streams_cut_together_reprefill_on_the_survivor_one_at_a_time() -> None:
+    # b takes 0.3 s to its first token, so three streams cut at the same token on a meet a
+    # held slot: each waits, none is refused, and b never re-prefills two at once.
+    slow_start = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.0,
+                             request_overhead_s=0.3)  # fmt: skip
+    async with run_sim(SETTINGS, name="a") as a, run_sim(slow_start, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"max_in_flight_per_replica": 1},
+        )
+        async with running_gateway(policy) as (url, app):
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"max_tokens": 30, "temperature": 0}
+                ref = await _chat(client, url, body)
+                await a.set_fault({"fault": "cut_close", "after_tokens": 10})
+                got = await asyncio.gather(*(_chat(client, url, body) for _ in range(3)))
+            relay = app.gateway.relay
+    for events in got:
+        assert _text(events) == _text(ref) and events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events)
+    assert len(_continuations(b)) == 3
+    (b_name,) = relay.reprefills.peak_by_replica
+    assert relay.reprefills.peak_by_replica[b_name] == 1
+    assert relay.reprefills.full >= 1  # the bound acted: a continuation waited for the slot
+    assert relay.reprefills.total == 0

@@ -44,6 +44,7 @@ class Refusal(StrEnum):
     NO_IDS = "no_ids"  # the replica sent no token ids
     LIMIT = "limit"  # continuation.max_attempts spent
     NO_TARGET = "no_target"  # no other replica could take it
+    BUSY = "busy"  # no re-prefill slot freed within continuation.start_timeout_s
     CLIENT_ERROR = "client_error"  # an in-band error below 500: the request's fault
     MALFORMED = "malformed"  # a chunk that is not JSON: the ids can no longer be trusted
 

@@ -47,6 +47,7 @@ from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
+from proxy.relay.reprefill import Reprefills, Slot
 from proxy.relay.retry import (
     Action,
     Phase,
@@ -136,6 +137,7 @@ class Relay:
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
+        self.reprefills = Reprefills()  # continuations between their start and first token
 
     def cut_all(self, message: str) -> int:
         """End every request still running (shutdown past its grace): each is cancelled with
@@ -899,6 +901,11 @@ class Relay:
         sp.failure = _TRIGGER_FAILURE[trigger]
         while True:
             call.tried.add(old)
+            # From each failure, start_timeout_s to the continuation's first token, waiting
+            # for a re-prefill slot included.
+            until = asyncio.get_running_loop().time() + cfg.start_timeout_s
+            if sp.deadline is not None:
+                until = min(until, sp.deadline)
             if sp.exhausted():
                 # Every allowed token was generated: the answer is complete.
                 tail = b"".join(cont.event(c) for c in sp.length_ending())
@@ -906,10 +913,11 @@ class Relay:
                             "more_body": False})  # fmt: skip
                 return
             refusal = sp.refusal(cfg.max_attempts, cfg.max_seq_len)
-            target = self.try_pick(call) if refusal is None else None
-            if refusal is None and target is None:
-                refusal = cont.Refusal.NO_TARGET
-            if target is None:
+            target: Replica | None = None
+            slot: Slot | None = None
+            if refusal is None:
+                target, slot, refusal = await self._continuation_target(call, send, until)
+            if target is None or slot is None:
                 assert refusal is not None
                 self._refused(call, refusal)
                 await self._end_stream_with_error(
@@ -922,7 +930,7 @@ class Relay:
                  "trigger": trigger.value}
             )  # fmt: skip
             self.metrics.continuation_replayed.labels(lane).inc(len(body["prompt"]))
-            failed = await self._run_continuation(call, target, body, send, last_sent)
+            failed = await self._run_continuation(call, target, body, send, last_sent, slot, until)
             if failed is None:
                 self.metrics.continuations.labels(lane, trigger.value, "ok").inc()
                 call.replica = target
@@ -932,11 +940,47 @@ class Relay:
             trigger, why, last_sent = failed
             old = target
 
+    async def _continuation_target(
+        self, call: Call, send: Send, until: float
+    ) -> tuple[Replica | None, Slot | None, cont.Refusal | None]:
+        """A replica to continue on and its re-prefill slot, or why not. While every slot the
+        pick could use is held, waits for one to be given back (the client gets keep-alives)
+        until ``until`` (event-loop time)."""
+        cfg = self.policy().continuation
+        loop = asyncio.get_running_loop()
+        next_keepalive = loop.time() + cfg.keepalive_s
+        while True:
+            target = self.try_pick(call)
+            if target is None:
+                return None, None, cont.Refusal.NO_TARGET
+            slot = self.reprefills.try_take(
+                target.name, cfg.max_in_flight, cfg.max_in_flight_per_replica
+            )
+            if slot is not None:
+                return target, slot, None
+            left = until - loop.time()
+            if left <= 0:
+                return None, None, cont.Refusal.BUSY
+            await self.reprefills.freed(min(left, next_keepalive - loop.time()))
+            if loop.time() >= next_keepalive:
+                await send({"type": "http.response.body", "body": cont.KEEPALIVE,
+                            "more_body": True})  # fmt: skip
+                next_keepalive = loop.time() + cfg.keepalive_s
+
     async def _run_continuation(
-        self, call: Call, target: Replica, body: dict[str, Any], send: Send, last_sent: float
+        self,
+        call: Call,
+        target: Replica,
+        body: dict[str, Any],
+        send: Send,
+        last_sent: float,
+        slot: Slot,
+        limit: float,
     ) -> tuple[cont.Trigger, str, float] | None:
         """One continuation on ``target``, spliced into the client's stream; None when it
-        ended the answer, else what failed (trigger, words, when the client last got bytes)."""
+        ended the answer, else what failed (trigger, words, when the client last got bytes).
+        ``slot`` is given back at its first token; ``limit`` (event-loop time) bounds the wait
+        for that token."""
         sp: cont.Splice = call.continuation
         cfg = self.policy().continuation
         attempt = Attempt(target, call.task)
@@ -945,9 +989,6 @@ class Relay:
         failure: FailureKind | None = None
         holder: list[httpx.Response] = []
         loop = asyncio.get_running_loop()
-        limit = loop.time() + cfg.start_timeout_s
-        if sp.deadline is not None:
-            limit = min(limit, sp.deadline)
         name = target.name
         events = sse.EventBuffer()
 
@@ -997,6 +1038,7 @@ class Relay:
                     await send({"type": "http.response.body", "body": cont.KEEPALIVE,
                                 "more_body": True})  # fmt: skip
                 chunks, head, done = opener.result()
+                slot.release()  # prefilled: from here one more stream on its replica
                 attempt.phase = Phase.CONTENT
                 self.metrics.continuation_gap.labels(call.lane.name).observe(now() - last_sent)
                 await send({"type": "http.response.body", "body": head, "more_body": not done})
@@ -1043,6 +1085,7 @@ class Relay:
                 result = (trig, f"replica {name}: {exc.why}", last_sent)
             return result
         finally:
+            slot.release()
             if not opener.done():
                 opener.cancel()
                 with contextlib.suppress(BaseException):
