@@ -56,6 +56,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from proxy.relay import continuation
     from proxy.routing.explain import explain_request
     from proxy.routing.tokens import TokenizerError, load_counter
 
@@ -81,6 +82,8 @@ def _explain(args: argparse.Namespace) -> int:
         return 1
     result = explain_request(policy, body, kind, args.chars_per_token, counter=counter)
     lane = result["lane"]
+    lane_switch = policy.lanes[lane["index"]].continuation
+    result["continuation"] = continuation.explain(policy.continuation, lane_switch, kind, body)
     for pool in (lane["pool"], lane["spill_to"]):
         if pool is not None and policy.pools[pool].balance == "cache_aware":
             from proxy.routing import cache_aware

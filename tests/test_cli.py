@@ -52,11 +52,17 @@ def test_explain_prints_profile_lane_reasons_and_candidates(tmp_path: Path) -> N
     out = json.loads(result.stdout)
     text = json.dumps(out)
     assert "short" in text and "fast-0" in text
+    assert out["continuation"] == {
+        "eligible": True,
+        "refusal": None,
+        "why": "forwarded with return_token_ids",
+    }
     long_request = tmp_path / "long.json"
     long_request.write_text(json.dumps({"messages": [{"role": "user", "content": "x " * 9000}]}))
     result = tokenlane("explain", "--config", "config/policy.example.yaml", str(long_request))
     assert result.returncode == 0, result.stderr
     assert "long" in result.stdout and "bulk-0" in result.stdout
+    assert "eligible: False" in result.stdout and "not a stream" in result.stdout
 
 
 def test_explain_names_a_bad_request_file(tmp_path: Path) -> None:

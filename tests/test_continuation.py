@@ -12,7 +12,16 @@ import pytest
 
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
-from proxy.relay.continuation import Refusal, Splice, Trigger, eligibility, strip_ids
+from proxy.config import ContinuationConfig
+from proxy.relay.continuation import (
+    _REFUSAL_WHY,
+    Refusal,
+    Splice,
+    Trigger,
+    eligibility,
+    explain,
+    strip_ids,
+)
 from proxy.relay.reprefill import Reprefills, has_room
 
 from .gateway import policy_for, running_gateway
@@ -336,3 +345,23 @@ async def test_streams_cut_together_reprefill_on_the_survivor_one_at_a_time() ->
     assert relay.reprefills.peak_by_replica[b_name] == 1
     assert relay.reprefills.full >= 1  # the bound acted: a continuation waited for the slot
     assert relay.reprefills.total == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "lane_switch", "eligible", "refusal"),
+    [
+        ({}, True, True, None),
+        ({"stream": False}, True, False, None),
+        ({}, False, False, "disabled"),
+        ({"stop": ["x"]}, True, False, "stop"),
+    ],
+)
+def test_explain_says_whether_a_stream_would_continue(
+    extra: dict[str, Any], lane_switch: bool, eligible: bool, refusal: str | None
+) -> None:
+    said = explain(ContinuationConfig(), lane_switch, "chat", {**BASE, **extra})
+    assert (said["eligible"], said["refusal"]) == (eligible, refusal) and said["why"]
+
+
+def test_every_refusal_has_words() -> None:
+    assert set(_REFUSAL_WHY) == set(Refusal)

@@ -21,6 +21,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
+from proxy.config import ContinuationConfig
 from proxy.errors import FailureKind
 from proxy.relay import sse
 
@@ -133,6 +134,53 @@ def eligibility(
         if temperature is None or temperature > 0:
             return Refusal.SEEDED
     return None
+
+
+def refusal_under(
+    cfg: ContinuationConfig, lane_switch: bool, kind: str, body: dict[str, Any]
+) -> Refusal | None:
+    """``eligibility`` under the policy in force: its ``continuation`` section and the lane's
+    own ``continuation`` switch."""
+    return eligibility(
+        kind,
+        body,
+        enabled=cfg.enabled and lane_switch and cfg.max_attempts > 0,
+        refuse_when_seeded=cfg.refuse_when_seeded,
+    )
+
+
+def explain(
+    cfg: ContinuationConfig, lane_switch: bool, kind: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``tokenlane explain`` says of continuation: would this request's stream be
+    continued on another replica if its own failed mid-answer, and if not, why not."""
+    if not body.get("stream"):
+        return {"eligible": False, "refusal": None, "why": "not a stream: only streams continue"}
+    refusal = refusal_under(cfg, lane_switch, kind, body)
+    if refusal is None:
+        return {"eligible": True, "refusal": None, "why": "forwarded with return_token_ids"}
+    return {"eligible": False, "refusal": refusal.value, "why": _REFUSAL_WHY[refusal]}
+
+
+_REFUSAL_WHY = {
+    Refusal.DISABLED: "continuation.enabled, the lane's switch or max_attempts turns it off",
+    Refusal.N: "n or best_of above 1",
+    Refusal.TOOLS: "tools offered (tool_choice is not none)",
+    Refusal.STRUCTURED: "structured output or guided decoding",
+    Refusal.LOGPROBS: "logprobs asked",
+    Refusal.STOP: "stop strings (matched on text, which a seam could split)",
+    Refusal.CONTENT: "a non-text message part, a batch prompt or echo",
+    Refusal.SEEDED: "seeded with temperature > 0 under continuation.refuse_when_seeded",
+    Refusal.USAGE_STATS: "stream_options.continuous_usage_stats",
+    Refusal.REASONING: "the seam falls inside reasoning",
+    Refusal.SEQ_LEN: "prompt and generated tokens above continuation.max_seq_len",
+    Refusal.NO_IDS: "the replica sent no token ids",
+    Refusal.LIMIT: "continuation.max_attempts spent",
+    Refusal.NO_TARGET: "no other replica could take it",
+    Refusal.BUSY: "no re-prefill slot freed within continuation.start_timeout_s",
+    Refusal.CLIENT_ERROR: "the replica's in-band error was below 500: the request's fault",
+    Refusal.MALFORMED: "a chunk that is not JSON: the ids can no longer be trusted",
+}
 
 
 def forward_body(body: dict[str, Any]) -> bytes:

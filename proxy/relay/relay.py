@@ -723,14 +723,7 @@ class Relay:
             return
         if not isinstance(body, dict):
             return
-        cfg = policy.continuation
-        refusal = cont.eligibility(
-            call.kind,
-            body,
-            enabled=cfg.enabled and call.lane.continuation and cfg.max_attempts > 0,
-            refuse_when_seeded=cfg.refuse_when_seeded,
-        )
-        if refusal is not None:
+        if cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body):
             return
         call.continuation = cont.Splice(call.kind, body, call.wants_usage)
         call.body = cont.forward_body(body)
