@@ -145,6 +145,29 @@ def exposed_names(exposition: str) -> set[str]:
     }
 
 
+# The samples a declared family of each type has once it is observed (prometheus-client's
+# exposition: a counter's ``_total``, a histogram's ``_bucket``, ``_sum``, ``_count``).
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+    "info": ("_info",),
+}
+
+
+def declared_names(exposition: str) -> set[str]:
+    """The sample names of the families a /metrics text declares (``# TYPE``) but has not
+    observed yet: a labelled series appears only once something happens (a continuation, a
+    refusal), while its family is declared from the start."""
+    return {
+        family.name + suffix
+        for family in text_string_to_metric_families(exposition)
+        if not family.samples
+        for suffix in _SAMPLE_SUFFIXES.get(family.type, ())
+    }
+
+
 def unknown_names(names_by_source: dict[str, set[str]], known: set[str]) -> dict[str, set[str]]:
     missing = {
         source: names - known - PROMETHEUS_OWN_SERIES for source, names in names_by_source.items()
@@ -314,7 +337,11 @@ def gateway_scrape() -> str:
 
 @pytest.fixture(scope="module")
 def known_metric_names(gateway_scrape: str) -> set[str]:
-    return exposed_names(gateway_scrape) | exposed_names(VLLM_FIXTURE.read_text(encoding="utf-8"))
+    return (
+        exposed_names(gateway_scrape)
+        | declared_names(gateway_scrape)
+        | exposed_names(VLLM_FIXTURE.read_text(encoding="utf-8"))
+    )
 
 
 # ---------------------------------------------------------------------------- the extractor
@@ -356,6 +383,10 @@ def test_exposed_names_are_sample_names_not_family_names(gateway_scrape: str) ->
     assert {"tokenlane_ttft_seconds_bucket", "tokenlane_requests_total"} <= names
     # A histogram is only its samples; `rate(tokenlane_ttft_seconds[5m])` selects nothing.
     assert "tokenlane_ttft_seconds" not in names
+    # A family declared but not observed in this traffic is known by its samples' names.
+    declared = declared_names(gateway_scrape)
+    assert "tokenlane_continuation_gap_seconds_bucket" in declared
+    assert "tokenlane_continuation_gap_seconds" not in declared
 
 
 def test_unknown_names_flags_a_dashboard_metric_that_exists_nowhere(
