@@ -1,18 +1,22 @@
-"""Stall benchmark (issue 4): stall one of N simulated replicas under streaming load.
+"""Stall benchmark (issue 4): stall (or SIGKILL) one of N simulated replicas under streaming load.
 
 Reports the time from the stall to the gateway's ejection of that replica, the failed requests
 split into those that had received no content yet (the gateway must save every one of them)
 and those already streaming from the stalled replica (they can only be ended with an SSE
 error), the client requests that reached the stalled replica after its ejection (canaries
 apart; target zero), and p99 TTFT of requests sent before the stall, between stall and
-ejection, and after the ejection.
+ejection, and after the ejection. Streams cut mid-answer are continued on another replica
+(issue 13): the report counts those continued, those whose continuation failed and those not
+continued (by reason, from the gateway's metrics), the client-visible gap of the continued ones
+(their longest pause between two chunks), and the tokens the survivors prefilled again.
 
 Every part is its own process, as in production: the simulators (``python -m loadtest.sim``),
 the gateway (``python -m proxy serve``); this process only generates load (a closed loop of
 streaming chat requests) and watches ``/admin/replicas``.
 
     python -m loadtest.bench_stall [--replicas 3] [--workers 24] [--interval-s 1]
-        [--stall-after-s 3] [--json out.json]
+        [--stall-after-s 3] [--fault stall|kill] [--json out.json]
+    python -m loadtest.bench_stall --fault kill --replicas 2 --workers 200   # ~100 streams
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from .client import LoadClient
 from .procs import await_http, free_port, process
@@ -112,6 +117,39 @@ class StallReport:
     ttft_p99_s: dict[str, float | None] = field(default_factory=dict)
     ttft_p50_s: dict[str, float | None] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # Continuation (from the gateway's metrics, and the continued streams as clients saw them)
+    continued_ok: int = 0
+    continued_failed: int = 0
+    not_continued: dict[str, int] = field(default_factory=dict)  # refusal reason -> streams
+    replayed_tokens: int = 0
+    continued_streams_seen: int = 0  # OK streams of the faulted replica that spanned the fault
+    gap_s: dict[str, float | None] = field(default_factory=dict)  # p50, p99, max of those
+
+
+@dataclass
+class ContinuationCounts:
+    ok: int = 0
+    failed: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    replayed_tokens: int = 0
+
+
+def continuation_counts(exposition: str) -> ContinuationCounts:
+    """The gateway's continuation counters from its ``/metrics`` text."""
+    counts = ContinuationCounts()
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "tokenlane_continuations_total":
+                if sample.labels["outcome"] == "ok":
+                    counts.ok += int(sample.value)
+                else:
+                    counts.failed += int(sample.value)
+            elif sample.name == "tokenlane_continuation_refusals_total" and sample.value:
+                reason = sample.labels["reason"]
+                counts.refused[reason] = counts.refused.get(reason, 0) + int(sample.value)
+            elif sample.name == "tokenlane_continuation_replayed_tokens_total":
+                counts.replayed_tokens += int(sample.value)
+    return counts
 
 
 def phase_of(at: float, stalled_at: float, ejected_at: float) -> str:
@@ -129,18 +167,24 @@ def analyse(
     ejected_wall: float,
     reason: str | None,
     stalled_log: Sequence[dict[str, Any]],
+    continuation: ContinuationCounts | None = None,
 ) -> StallReport:
     """The figures of one run. Times are monotonic except ``ejected_wall`` (Unix time, to
     compare with the simulator's ``arrived_at``)."""
     failed_early = failed_mid = failed_mid_elsewhere = unfinished = 0
     errors: list[str] = []
     ttfts: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    gaps: list[float] = []
     for s in sent:
         r = s.result
         if s.done_at is None:
             unfinished += 1
             continue
         if r.outcome == OK:
+            # Streaming from the faulted replica when it failed, and finished whole: continued.
+            spanned = s.at < stalled_at < s.done_at and r.content_chunks > 0
+            if spanned and r.headers.get("x-tokenlane-replica") == stalled_replica and r.itl_s:
+                gaps.append(max(r.itl_s))
             if r.ttft_s is not None:
                 ttfts[phase_of(s.at, stalled_at, ejected_at)].append(r.ttft_s)
             continue
@@ -173,6 +217,16 @@ def analyse(
         ttft_p99_s={k: _r(percentile(v, 99)) for k, v in ttfts.items()},
         ttft_p50_s={k: _r(percentile(v, 50)) for k, v in ttfts.items()},
         errors=errors,
+        continued_ok=continuation.ok if continuation else 0,
+        continued_failed=continuation.failed if continuation else 0,
+        not_continued=dict(continuation.refused) if continuation else {},
+        replayed_tokens=continuation.replayed_tokens if continuation else 0,
+        continued_streams_seen=len(gaps),
+        gap_s={
+            "p50": _r(percentile(gaps, 50)),
+            "p99": _r(percentile(gaps, 99)),
+            "max": _r(max(gaps)) if gaps else None,
+        },
     )
 
 
@@ -214,20 +268,23 @@ async def run(args: argparse.Namespace) -> StallReport:
     gw_port = free_port()
     gateway = f"http://127.0.0.1:{gw_port}"
     with contextlib.ExitStack() as stack:
+        sims: list[subprocess.Popen[bytes]] = []
         for i, port in enumerate(ports):
-            stack.enter_context(
-                process(
-                    [
-                        sys.executable,
-                        "-m",
-                        "loadtest.sim",
-                        "--port",
-                        str(port),
-                        "--name",
-                        f"sim{i}",
-                        "--request-log-size",
-                        "20000",
-                    ]
+            sims.append(
+                stack.enter_context(
+                    process(
+                        [
+                            sys.executable,
+                            "-m",
+                            "loadtest.sim",
+                            "--port",
+                            str(port),
+                            "--name",
+                            f"sim{i}",
+                            "--request-log-size",
+                            "20000",
+                        ]
+                    )
                 )
             )
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -249,11 +306,14 @@ async def run(args: argparse.Namespace) -> StallReport:
             )
             await asyncio.sleep(args.warmup_s)
             stalled_at = time.monotonic()
-            await http.post(urls[0] + "/sim/fault", json={"fault": "stall"})
+            if args.fault == "kill":
+                sims[0].kill()  # SIGKILL: the streams it held are reset mid-answer
+            else:
+                await http.post(urls[0] + "/sim/fault", json={"fault": "stall"})
             deadline = stalled_at + args.stall_after_s + 20 * args.interval_s + 10
             while (row := await replica_row(http, gateway, "sim0"))["state"] != "ejected":
                 if time.monotonic() > deadline:
-                    raise TimeoutError("the stalled replica was not ejected")
+                    raise TimeoutError(f"the faulted replica was not ejected: {row}")
                 await asyncio.sleep(0.02)
             # The row says when the state changed (Unix time); map it onto this clock.
             ejected_wall = row["stats"]["state_changed_at"]
@@ -264,7 +324,11 @@ async def run(args: argparse.Namespace) -> StallReport:
                 await asyncio.wait_for(load, args.drain_s)
             except TimeoutError:
                 pass  # the requests still open are the hangs the report counts
-            log = (await http.get(urls[0] + "/sim/requests")).json()["requests"]
+            # A killed replica keeps no log: nothing reached it after its ejection.
+            log = []
+            if args.fault != "kill":
+                log = (await http.get(urls[0] + "/sim/requests")).json()["requests"]
+            exposition = (await http.get(gateway + "/metrics")).text
         return analyse(
             sent,
             stalled_replica="sim0",
@@ -273,6 +337,7 @@ async def run(args: argparse.Namespace) -> StallReport:
             ejected_wall=ejected_wall,
             reason=row["reason"],
             stalled_log=log,
+            continuation=continuation_counts(exposition),
         )
 
 
@@ -283,14 +348,14 @@ def render(report: StallReport, args: argparse.Namespace) -> str:
         return "-" if x is None else f"{x * 1000:.0f} ms"
 
     lines = [
-        f"stall benchmark: {args.replicas} replicas, {args.workers} streaming clients, "
+        f"{args.fault} benchmark: {args.replicas} replicas, {args.workers} streaming clients, "
         f"max_tokens {args.max_tokens}, interval_s {args.interval_s:g}, "
         f"stall_after_s {args.stall_after_s:g}",
         f"  requests                          {report.requests}",
         f"  time to ejection                  {report.time_to_ejection_s:.2f} s "
         f"(target <= {target:g} s), reason {report.ejection_reason}",
         f"  failed, not yet streaming         {report.failed_not_streaming} (target 0)",
-        f"  failed, mid-stream (stalled)      {report.failed_mid_stream}",
+        f"  failed, mid-stream (faulted)      {report.failed_mid_stream} (eligible: target 0)",
         f"  failed, mid-stream (elsewhere)    {report.failed_mid_stream_elsewhere}",
         f"  unfinished at the end (hangs)     {report.unfinished} (target 0)",
         f"  client requests to it after eject {report.to_stalled_after_ejection} (target 0)",
@@ -301,6 +366,15 @@ def render(report: StallReport, args: argparse.Namespace) -> str:
                 for d in (report.ttft_p50_s, report.ttft_p99_s)
             )
         ),
+    ]
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(report.not_continued.items())) or "none"
+    gap = report.gap_s
+    lines += [
+        f"  continued, ok / failed            {report.continued_ok} / {report.continued_failed}",
+        f"  not continued, by reason          {refused}",
+        f"  continued streams seen by clients {report.continued_streams_seen}; client-visible "
+        f"gap p50 / p99 / max {ms(gap.get('p50'))} / {ms(gap.get('p99'))} / {ms(gap.get('max'))}",
+        f"  tokens prefilled again            {report.replayed_tokens}",
     ]
     lines += [f"  error: {e}" for e in report.errors]
     return "\n".join(lines)
@@ -316,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=4.0, help="load before the stall")
     parser.add_argument("--after-s", type=float, default=5.0, help="load after the ejection")
     parser.add_argument("--drain-s", type=float, default=30.0, help="wait for open requests")
+    parser.add_argument(
+        "--fault", choices=("stall", "kill"), default="stall",
+        help="stall: vLLM #37729's deadlock (/health 200, no tokens); kill: SIGKILL the process",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--verbose", action="store_true", help="show the gateway's log")
     args = parser.parse_args(argv)
