@@ -247,6 +247,7 @@ def policy(urls: list[str], args: argparse.Namespace, port: int) -> dict[str, An
             }
         },
         "lanes": [{"name": "all", "pool": "main"}],
+        "continuation": {"max_in_flight_per_replica": args.reprefills_per_replica},
         "health": {
             "interval_s": args.interval_s,
             "stall_after_s": args.stall_after_s,
@@ -393,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fault", choices=("stall", "kill"), default="stall",
         help="stall: vLLM #37729's deadlock (/health 200, no tokens); kill: SIGKILL the process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reprefills-per-replica", type=int, default=8,
+        help="continuation.max_in_flight_per_replica (the policy default is 8)",
     )  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--verbose", action="store_true", help="show the gateway's log")
