@@ -341,10 +341,10 @@ async def test_streams_cut_together_reprefill_on_the_survivor_one_at_a_time() ->
         assert _text(events) == _text(ref) and events[-1] == "[DONE]"
         assert not any(isinstance(e, dict) and "error" in e for e in events)
     assert len(_continuations(b)) == 3
-    (b_name,) = relay.reprefills.peak_by_replica
-    assert relay.reprefills.peak_by_replica[b_name] == 1
-    assert relay.reprefills.full >= 1  # the bound acted: a continuation waited for the slot
-    assert relay.reprefills.total == 0
+    (b_name,) = relay.resumer.reprefills.peak_by_replica
+    assert relay.resumer.reprefills.peak_by_replica[b_name] == 1
+    assert relay.resumer.reprefills.full >= 1  # the bound acted: a continuation waited for the slot
+    assert relay.resumer.reprefills.total == 0
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -44,10 +44,9 @@ from proxy.fleet import detect
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
-from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
-from proxy.relay.reprefill import Reprefills, Slot
+from proxy.relay.resume import Resumer
 from proxy.relay.retry import (
     Action,
     Phase,
@@ -57,7 +56,13 @@ from proxy.relay.retry import (
     decide_retry,
     judge,
 )
-from proxy.relay.upstream import UpstreamClient, at_eof, make_client, timeout_extension
+from proxy.relay.upstream import (
+    UpstreamClient,
+    at_eof,
+    make_client,
+    raw_chunks,
+    timeout_extension,
+)
 from proxy.routing import balance, cache_aware
 from proxy.routing.admission import Admission
 from proxy.routing.profile import affinity_key
@@ -137,7 +142,19 @@ class Relay:
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
-        self.reprefills = Reprefills()  # continuations between their start and first token
+        # Finishing a stream on another replica when its own fails mid-answer.
+        self.resumer = Resumer(
+            admission=admission,
+            fleet=fleet,
+            metrics=metrics,
+            policy=policy,
+            transport=self.transport,
+            pick=self.try_pick,
+            timeout=self._timeout,
+            response_start=self._response_start,
+            send_start=self._send_start,
+            end_with_error=self._end_stream_with_error,
+        )
 
     def cut_all(self, message: str) -> int:
         """End every request still running (shutdown past its grace): each is cancelled with
@@ -228,7 +245,7 @@ class Relay:
         ``UpstreamFailed`` when nothing could be sent."""
         policy = self.policy()
         if call.stream and call.kind != "other":
-            self._mark_continuable(call, policy)
+            self.resumer.mark(call, policy)
         queued_at = now()
         self.live.add(call)
         try:
@@ -505,7 +522,7 @@ class Relay:
             attempt.last_progress = time.monotonic()
         if call.stream and status == 200 and _is_event_stream(response):
             if call.continuation is not None:
-                await self._relay_continuable(call, attempt, response, send, watchdog)
+                await self.resumer.relay(call, attempt, response, send, watchdog)
             else:
                 await self._relay_stream(call, attempt, response, send, watchdog)
         elif call.kind == "other":
@@ -623,7 +640,7 @@ class Relay:
                     raise AttemptFault(
                         Fault.ERROR_EVENT,
                         f"{attempt.replica.name} failed before the first token: "
-                        f"{_error_message(obj)}",
+                        f"{sse.error_message(obj)}",
                     )
                 if sse.carries_content(obj):
                     found = True
@@ -713,396 +730,6 @@ class Relay:
             }
         )
 
-    # -- continuation (proxy.relay.continuation) ------------------------------------------
-
-    def _mark_continuable(self, call: Call, policy: Policy) -> None:
-        """Give an eligible stream its ``Splice`` and ask its replica for token ids."""
-        try:
-            body = json.loads(call.body)
-        except ValueError:
-            return
-        if not isinstance(body, dict):
-            return
-        if cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body):
-            return
-        call.continuation = cont.Splice(call.kind, body, call.wants_usage)
-        call.body = cont.forward_body(body)
-
-    async def _relay_continuable(
-        self,
-        call: Call,
-        attempt: Attempt,
-        response: httpx.Response,
-        send: Send,
-        watchdog: asyncio.Timeout,
-    ) -> None:
-        """``_relay_stream`` for an eligible stream: every event is parsed (its ids kept, and
-        hidden from a client that did not ask for them), and a failure after content reached
-        the client is continued on another replica (``_continue``)."""
-        sp: cont.Splice = call.continuation
-        if not call.started:  # a retry before anything was sent starts afresh
-            fresh = cont.Splice(sp.kind, sp.body, sp.wants_usage)
-            fresh.deadline = sp.deadline
-            sp = call.continuation = fresh
-        strip = not sp.client_wants_ids
-        name = attempt.replica.name
-        events = sse.EventBuffer()
-        held: list[bytes] = []
-        found = False
-        ended = False
-        trigger: cont.Trigger | None = None
-        why = ""
-        itl = self.metrics.series(self.metrics.inter_token, call.lane.name, attempt.replica.pool)
-        t = now()
-        try:
-            async for chunk in raw_chunks(response):
-                attempt.last_progress = time.monotonic()
-                out: list[bytes] = []
-                content = False
-                for ev in events.feed(chunk):
-                    obj = sse.parse_event(ev)
-                    if obj is sse.DONE:
-                        ended = True
-                        out.append(b"data: [DONE]\n\n")
-                        break
-                    if not isinstance(obj, dict):
-                        if sse.event_data(ev) is not None:
-                            # Not JSON: the ids can no longer be trusted.
-                            if not call.started:
-                                raise AttemptFault(Fault.ERROR_EVENT, f"{name} sent a bad chunk")
-                            self._refused(call, cont.Refusal.MALFORMED)
-                            await self._end_stream_with_error(
-                                call, send, f"replica {name} sent a chunk that is not JSON"
-                            )
-                            return
-                        out.append(ev + b"\n\n")
-                        continue
-                    if sse.is_error(obj):
-                        if not call.started:
-                            raise AttemptFault(
-                                Fault.ERROR_EVENT,
-                                f"{name} failed before the first token: {_error_message(obj)}",
-                            )
-                        if cont.error_code(obj) < 500:
-                            out.append(ev + b"\n\n")  # the request's own fault: relayed
-                            self._refused(call, cont.Refusal.CLIENT_ERROR)
-                            continue
-                        trigger, why = cont.Trigger.ERROR_EVENT, _error_message(obj)
-                        break
-                    if sp.observe(obj) is cont.Trigger.ABORT:
-                        if not call.started:
-                            raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
-                        trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
-                        break
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict):
-                        call.usage = usage
-                    out.append((cont.strip_ids(ev) if strip else ev) + b"\n\n")
-                    if not content and sse.carries_content(obj):
-                        content = True
-                if not call.started:
-                    held += out
-                    if content:
-                        found = True
-                    if not (found or ended or trigger):
-                        continue
-                    watchdog.reschedule(None)  # from here on the client has bytes: no retry
-                    call.status = 200
-                    call.started = True
-                    attempt.phase = Phase.CONTENT if found else Phase.STARTED
-                    start = self._response_start(call, response, 200)
-                    await self._send_start(call, send, start, b"".join(held), True)
-                    t = now()
-                    if found:
-                        call.ttft_s = t - call.received_at
-                        call.content_chunks = 1
-                else:
-                    if out:
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})  # fmt: skip
-                    if content:
-                        t2 = now()
-                        if not found:
-                            found = True
-                            attempt.phase = Phase.CONTENT
-                            call.ttft_s = t2 - call.received_at
-                        else:
-                            itl.observe(t2 - t)
-                        t = t2
-                        call.content_chunks += 1
-                if ended or trigger:
-                    break
-        except UpstreamError as exc:
-            if not call.started:
-                raise
-            if isinstance(exc, UpstreamReadTimeout):
-                trigger = cont.Trigger.STALL
-                why = f"replica {name} sent nothing for {call.lane.stream_idle_timeout_s:g}s"
-            else:
-                trigger, why = cont.Trigger.RESET, f"replica {name} closed the connection"
-        except asyncio.CancelledError:
-            task = call.task
-            if not call.started or attempt.interrupted is None or task is None:
-                raise
-            if task.uncancel() > 0:
-                raise
-            trigger = cont.Trigger.STALL
-            why = f"replica {name} stopped generating and was ejected"
-        if ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        if trigger is None:
-            if sp.finish_reason is not None:
-                # Finished, then cut before the usage and [DONE]: nothing is missing.
-                tail = b"".join(cont.event(c) for c in sp.length_ending()[1:])
-                end = tail + b"data: [DONE]\n\n"
-                await send({"type": "http.response.body", "body": end, "more_body": False})
-                return
-            trigger, why = cont.Trigger.EOF, f"replica {name} closed the stream early"
-        if not call.started:
-            # Ended before any content (only the role chunk, if that): as an ordinary fault.
-            raise AttemptFault(Fault.CLOSED, why)
-        await self._continue(call, attempt, response, send, trigger, why, t)
-
-    def _refused(self, call: Call, reason: cont.Refusal) -> None:
-        self.metrics.continuation_refusals.labels(call.lane.name, reason.value).inc()
-
-    async def _continue(
-        self,
-        call: Call,
-        attempt: Attempt,
-        response: httpx.Response,
-        send: Send,
-        trigger: cont.Trigger,
-        why: str,
-        last_sent: float,
-    ) -> None:
-        """Go on with the failed stream on other replicas, within ``continuation.max_attempts``;
-        else end it with the error event. The failed upstream is closed first: nothing it
-        sends later can reach the client."""
-        sp: cont.Splice = call.continuation
-        cfg = self.policy().continuation
-        lane = call.lane.name
-        with contextlib.suppress(Exception):
-            await response.aclose()
-        old = attempt.replica
-        # The attempt is over for the fleet's stream watch: a later verdict on its replica
-        # must not cancel the continuation.
-        if attempt.interrupted is None:
-            attempt.interrupted = "continued"
-        old.streams.discard(attempt)
-        sp.failure = _TRIGGER_FAILURE[trigger]
-        while True:
-            call.tried.add(old)
-            # From each failure, start_timeout_s to the continuation's first token, waiting
-            # for a re-prefill slot included.
-            until = asyncio.get_running_loop().time() + cfg.start_timeout_s
-            if sp.deadline is not None:
-                until = min(until, sp.deadline)
-            if sp.exhausted():
-                # Every allowed token was generated: the answer is complete.
-                tail = b"".join(cont.event(c) for c in sp.length_ending())
-                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n",
-                            "more_body": False})  # fmt: skip
-                return
-            refusal = sp.refusal(cfg.max_attempts, cfg.max_seq_len)
-            target: Replica | None = None
-            slot: Slot | None = None
-            if refusal is None:
-                target, slot, refusal = await self._continuation_target(call, send, until)
-            if target is None or slot is None:
-                assert refusal is not None
-                self._refused(call, refusal)
-                await self._end_stream_with_error(
-                    call, send, f"{why}; not continued: {refusal.value}"
-                )
-                return
-            body = sp.continuation_body(call.model)
-            sp.seams.append(
-                {"from": old.name, "to": target.name, "at_token": sp.text_ids,
-                 "trigger": trigger.value}
-            )  # fmt: skip
-            self.metrics.continuation_replayed.labels(lane).inc(len(body["prompt"]))
-            failed = await self._run_continuation(call, target, body, send, last_sent, slot, until)
-            if failed is None:
-                self.metrics.continuations.labels(lane, trigger.value, "ok").inc()
-                call.replica = target
-                call.usage = sp.usage()
-                return
-            self.metrics.continuations.labels(lane, trigger.value, "failed").inc()
-            trigger, why, last_sent = failed
-            old = target
-
-    async def _continuation_target(
-        self, call: Call, send: Send, until: float
-    ) -> tuple[Replica | None, Slot | None, cont.Refusal | None]:
-        """A replica to continue on and its re-prefill slot, or why not. While every slot the
-        pick could use is held, waits for one to be given back (the client gets keep-alives)
-        until ``until`` (event-loop time)."""
-        cfg = self.policy().continuation
-        loop = asyncio.get_running_loop()
-        next_keepalive = loop.time() + cfg.keepalive_s
-        while True:
-            target = self.try_pick(call)
-            if target is None:
-                return None, None, cont.Refusal.NO_TARGET
-            slot = self.reprefills.try_take(
-                target.name, cfg.max_in_flight, cfg.max_in_flight_per_replica
-            )
-            if slot is not None:
-                return target, slot, None
-            left = until - loop.time()
-            if left <= 0:
-                return None, None, cont.Refusal.BUSY
-            await self.reprefills.freed(min(left, next_keepalive - loop.time()))
-            if loop.time() >= next_keepalive:
-                await send({"type": "http.response.body", "body": cont.KEEPALIVE,
-                            "more_body": True})  # fmt: skip
-                next_keepalive = loop.time() + cfg.keepalive_s
-
-    async def _run_continuation(
-        self,
-        call: Call,
-        target: Replica,
-        body: dict[str, Any],
-        send: Send,
-        last_sent: float,
-        slot: Slot,
-        limit: float,
-    ) -> tuple[cont.Trigger, str, float] | None:
-        """One continuation on ``target``, spliced into the client's stream; None when it
-        ended the answer, else what failed (trigger, words, when the client last got bytes).
-        ``slot`` is given back at its first token; ``limit`` (event-loop time) bounds the wait
-        for that token."""
-        sp: cont.Splice = call.continuation
-        cfg = self.policy().continuation
-        attempt = Attempt(target, call.task)
-        self.fleet.attempt_started(target)
-        target.streams.add(attempt)
-        failure: FailureKind | None = None
-        holder: list[httpx.Response] = []
-        loop = asyncio.get_running_loop()
-        name = target.name
-        events = sse.EventBuffer()
-
-        async def first() -> tuple[AsyncIterator[bytes], bytes, bool]:
-            """Open the continuation and read it up to its first content (or its end)."""
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"x-request-id", f"{call.request_id}-c{len(sp.seams)}".encode()),
-            ]
-            if target.api_key:
-                headers.append((b"authorization", b"Bearer " + target.api_key.encode()))
-            request = httpx.Request(
-                "POST",
-                httpx.URL(target.url + "/v1/completions"),
-                stream=httpx.ByteStream(json.dumps(body).encode()),
-                headers=headers,
-                extensions={"timeout": self._timeout(call.lane, True)},
-            )
-            resp = await self.transport.handle_async_request(request)
-            holder.append(resp)
-            if resp.status_code != 200:
-                raise AttemptFault(Fault.STATUS_5XX, f"{name} answered {resp.status_code}")
-            chunks = raw_chunks(resp)
-            out: list[bytes] = []
-            async for chunk in chunks:
-                attempt.last_progress = time.monotonic()
-                for ev in events.feed(chunk):
-                    data, trig, done, content, words = sp.take(ev)
-                    if trig is not None:
-                        raise AttemptFault(Fault.ERROR_EVENT, f"{name}: {words}")
-                    out.append(data)
-                    if done or content:
-                        return chunks, b"".join(out), done
-            raise AttemptFault(Fault.CLOSED, f"{name} closed the continuation before a token")
-
-        opener = asyncio.ensure_future(first())
-        result: tuple[cont.Trigger, str, float] | None = None
-        try:
-            try:
-                while True:
-                    left = limit - loop.time()
-                    if left <= 0:
-                        raise AttemptFault(Fault.FIRST_TOKEN_TIMEOUT, f"{name} sent no token")
-                    done_set, _ = await asyncio.wait({opener}, timeout=min(cfg.keepalive_s, left))
-                    if done_set:
-                        break
-                    await send({"type": "http.response.body", "body": cont.KEEPALIVE,
-                                "more_body": True})  # fmt: skip
-                chunks, head, done = opener.result()
-                slot.release()  # prefilled: from here one more stream on its replica
-                attempt.phase = Phase.CONTENT
-                self.metrics.continuation_gap.labels(call.lane.name).observe(now() - last_sent)
-                await send({"type": "http.response.body", "body": head, "more_body": not done})
-                last_sent = now()
-                if done:
-                    return None
-                async for chunk in chunks:
-                    attempt.last_progress = time.monotonic()
-                    out: list[bytes] = []
-                    for ev in events.feed(chunk):
-                        data, trig, done, content, words = sp.take(ev)
-                        if trig is not None:
-                            raise AttemptFault(Fault.ERROR_EVENT, f"{name}: {words}")
-                        out.append(data)
-                        if content:
-                            call.content_chunks += 1
-                        if done:
-                            break
-                    if out:
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": not done})  # fmt: skip
-                        last_sent = now()
-                    if done:
-                        return None
-                if sp.finish_reason is not None:
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                                "more_body": False})  # fmt: skip
-                    return None
-                raise AttemptFault(Fault.CLOSED, f"replica {name} closed the stream early")
-            except asyncio.CancelledError:
-                task = call.task
-                if attempt.interrupted is None or task is None or task.uncancel() > 0:
-                    raise
-                failure = FailureKind.STREAM_IDLE
-                result = (cont.Trigger.STALL, f"replica {name} was ejected", last_sent)
-            except AttemptFault as exc:
-                failure = FailureKind.UPSTREAM_5XX
-                result = (_FAULT_TRIGGER.get(exc.fault, cont.Trigger.ERROR_EVENT), exc.detail,
-                          last_sent)  # fmt: skip
-            except UpstreamError as exc:
-                stall = isinstance(exc, UpstreamReadTimeout)
-                failure = FailureKind.STREAM_IDLE if stall else FailureKind.RESET
-                trig = cont.Trigger.STALL if stall else cont.Trigger.RESET
-                result = (trig, f"replica {name}: {exc.why}", last_sent)
-            return result
-        finally:
-            slot.release()
-            if not opener.done():
-                opener.cancel()
-                with contextlib.suppress(BaseException):
-                    await opener
-            target.streams.discard(attempt)
-            self.fleet.attempt_finished(target, failure)
-            self.admission.released(target)
-            for resp in holder:
-                with contextlib.suppress(Exception):
-                    await resp.aclose()
-
-
-_TRIGGER_FAILURE = {
-    cont.Trigger.EOF: FailureKind.RESET,
-    cont.Trigger.RESET: FailureKind.RESET,
-    cont.Trigger.ERROR_EVENT: FailureKind.UPSTREAM_5XX,
-    cont.Trigger.ABORT: FailureKind.UPSTREAM_5XX,
-    cont.Trigger.STALL: FailureKind.STREAM_IDLE,
-}
-_FAULT_TRIGGER = {
-    Fault.CLOSED: cont.Trigger.EOF,
-    Fault.FIRST_TOKEN_TIMEOUT: cont.Trigger.STALL,
-}
-
 
 def query_text(raw: bytes) -> str:
     """A query string as it came, for a URL: bytes a client left unencoded (non-ASCII) are
@@ -1118,14 +745,6 @@ def _is_event_stream(response: httpx.Response) -> bool:
         if key.lower() == b"content-type":
             return value.startswith(b"text/event-stream")
     return False
-
-
-def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The response body as the transport reads it: ``aiter_raw()`` without its per-chunk
-    re-chunking and byte counting (the relay's finally closes the response)."""
-    stream = response.stream
-    assert isinstance(stream, httpx.AsyncByteStream)
-    return stream.__aiter__()
 
 
 def _fault_of(exc: UpstreamError) -> Fault:
@@ -1158,13 +777,6 @@ def _detail(fault: Fault, attempt: Attempt, call: Call, why: str) -> str:
             return f"replica {name} stopped generating and was ejected"
         return f"replica {name} was ejected ({why})"
     return why
-
-
-def _error_message(obj: Any) -> str:
-    err = obj.get("error") if isinstance(obj, dict) else None
-    if isinstance(err, dict):
-        return str(err.get("message", ""))[:200]
-    return str(err)[:200]
 
 
 __all__ = [

@@ -120,3 +120,11 @@ def last_usage(tail: bytes) -> dict[str, Any] | None:
         return None
     obj = parse_event(tail[start : end if end >= 0 else len(tail)])
     return usage_of(obj)
+
+
+def error_message(obj: Any) -> str:
+    """The message of an error event's object (``{"error": {...}}``), at most 200 chars."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", ""))[:200]
+    return str(err)[:200]

@@ -277,6 +277,14 @@ def at_eof(response: httpx.Response) -> bool:
     return isinstance(stream, RawResponseStream) and stream.at_eof()
 
 
+def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The response body as the transport reads it: ``aiter_raw()`` without its per-chunk
+    re-chunking and byte counting (the relay's finally closes the response)."""
+    stream = response.stream
+    assert isinstance(stream, httpx.AsyncByteStream)
+    return stream.__aiter__()
+
+
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "KEEPALIVE_EXPIRY_S",
@@ -286,6 +294,7 @@ __all__ = [
     "UpstreamClient",
     "at_eof",
     "make_client",
+    "raw_chunks",
     "root_cause",
     "timeout_extension",
 ]
