@@ -247,7 +247,10 @@ def policy(urls: list[str], args: argparse.Namespace, port: int) -> dict[str, An
             }
         },
         "lanes": [{"name": "all", "pool": "main"}],
-        "continuation": {"max_in_flight_per_replica": args.reprefills_per_replica},
+        "continuation": {
+            "enabled": not args.no_continuation,
+            "max_in_flight_per_replica": args.reprefills_per_replica,
+        },
         "health": {
             "interval_s": args.interval_s,
             "stall_after_s": args.stall_after_s,
@@ -394,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fault", choices=("stall", "kill"), default="stall",
         help="stall: vLLM #37729's deadlock (/health 200, no tokens); kill: SIGKILL the process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-continuation", action="store_true",
+        help="leave continuation off (the policy default): streams cut mid-answer end in errors",
     )  # fmt: skip
     parser.add_argument(
         "--reprefills-per-replica", type=int, default=8,

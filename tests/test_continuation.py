@@ -169,6 +169,7 @@ async def fleet():
         policy = policy_for(
             {"a": [a.url], "b": [b.url]},
             lanes=[{"name": "all", "pool": "a", "spill_to": "b", "stream_idle_timeout_s": 3.0}],
+            continuation={"enabled": True},
         )
         async with running_gateway(policy) as (url, app):
             async with httpx.AsyncClient(timeout=30) as client:
@@ -328,7 +329,7 @@ async def test_streams_cut_together_reprefill_on_the_survivor_one_at_a_time() ->
         policy = policy_for(
             {"a": [a.url], "b": [b.url]},
             lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
-            continuation={"max_in_flight_per_replica": 1},
+            continuation={"enabled": True, "max_in_flight_per_replica": 1},
         )
         async with running_gateway(policy) as (url, app):
             async with httpx.AsyncClient(timeout=60) as client:
@@ -359,8 +360,12 @@ async def test_streams_cut_together_reprefill_on_the_survivor_one_at_a_time() ->
 def test_explain_says_whether_a_stream_would_continue(
     extra: dict[str, Any], lane_switch: bool, eligible: bool, refusal: str | None
 ) -> None:
-    said = explain(ContinuationConfig(), lane_switch, "chat", {**BASE, **extra})
+    said = explain(ContinuationConfig(enabled=True), lane_switch, "chat", {**BASE, **extra})
     assert (said["eligible"], said["refusal"]) == (eligible, refusal) and said["why"]
+
+
+def test_continuation_is_off_unless_the_policy_turns_it_on() -> None:
+    assert explain(ContinuationConfig(), True, "chat", BASE)["refusal"] == "disabled"
 
 
 def test_every_refusal_has_words() -> None:
