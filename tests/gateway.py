@@ -137,6 +137,16 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def data_events(raw: str) -> list[Any]:
+    """The data of each event of an SSE body: its JSON objects, and ``"[DONE]"`` as itself."""
+    out: list[Any] = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
 def content_of(event: bytes | str) -> str:
     """The text of one SSE chunk event (``data: {...}``), chat or transcription."""
     raw = event.encode() if isinstance(event, str) else event

@@ -24,7 +24,7 @@ from proxy.relay.continuation import (
 )
 from proxy.relay.reprefill import Reprefills, has_room
 
-from .gateway import policy_for, running_gateway
+from .gateway import data_events, policy_for, running_gateway
 from .waiting import wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
@@ -143,15 +143,6 @@ SETTINGS = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_tok
                        request_overhead_s=0.0)  # fmt: skip
 
 
-def _events(raw: str) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split("\n\n"):
-        if block.startswith("data: "):
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 def _text(events: list[Any]) -> str:
     return "".join(
         (c.get("delta") or {}).get("content") or c.get("text") or ""
@@ -179,7 +170,7 @@ async def fleet():
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
     resp = await client.post(url + "/v1/chat/completions", json={**BASE, **body})
     assert resp.status_code == 200, resp.text
-    return _events(resp.text)
+    return data_events(resp.text)
 
 
 def _continuations(replica: Any) -> list[dict[str, Any]]:

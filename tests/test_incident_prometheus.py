@@ -33,6 +33,8 @@ from .servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+# The rules that read `up` alone: they say whether Prometheus reached a target, not what happened.
+UP_ALERTS = ("TokenlaneGatewayDown", "TokenlaneReplicaScrapeFailing")
 ALERTS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMES = {"fast-0": "interactive", "bulk-0": "bulk", "bulk-1": "bulk"}
@@ -253,12 +255,20 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
     # the queries take on a loaded machine.
     t_end = max(time.time(), stalled_at + SHORT_RATE_S)
 
-    async def settled() -> bool:
-        up = await _q(prom, "up")
-        return all(s["value"][1] == "1" for s in up) and await scraped_after(t_end + 1)
+    at = 0.0
 
-    await until(settled, 120, "a successful scrape of every target after the incident")
-    at = await asyncio.to_thread(prom.last_scrape)
+    async def settled() -> bool:
+        """Every target up, scraped after the incident, and the rules evaluated on that: a
+        scrape that timed out on a loaded machine leaves an `up == 0` alert pending until the
+        next rule evaluation sees the target up again (an instant, not part of the incident)."""
+        nonlocal at
+        up = await _q(prom, "up")
+        if not (all(s["value"][1] == "1" for s in up) and await scraped_after(t_end + 1)):
+            return False
+        at = await asyncio.to_thread(prom.last_scrape)
+        return not await _q(prom, f'ALERTS{{alertname=~"{"|".join(UP_ALERTS)}"}}', at)
+
+    await until(settled, 120, "every target up after the incident, and the rules seeing it")
     inc.window_s = math.ceil(at - started) + 2
     window = f"{inc.window_s}s"
     for _, _, _, expr in dashboard_targets():
@@ -470,13 +480,6 @@ def alert_rows(inc: Incident) -> list[Row]:
         ]["alertstate"]
         for a in inc.alerts
         if a["metric"]["alertname"] != "TokenlaneReplicaStalled"  # its own test
-        # One scrape of the gateway timing out on a loaded machine leaves the gateway-down
-        # alert pending (`for: 1m`) though every target was up when the incident settled;
-        # that is the machine, not the incident. Firing would still show.
-        and not (
-            a["metric"]["alertname"] == "TokenlaneGatewayDown"
-            and a["metric"]["alertstate"] == "pending"
-        )
     }
     want = {
         ("TokenlaneReplicaEjected", "fast-0"): "firing",

@@ -5,7 +5,6 @@ a stream continued on another replica from prompt + generated ids equals the unf
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -16,24 +15,17 @@ from loadtest.sim.generate import Output
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 
+from .gateway import data_events
+
 SETTINGS = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.0,
                        request_overhead_s=0.0)  # fmt: skip
 MESSAGES = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
-def _events(raw: str) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split("\n\n"):
-        if block.startswith("data: "):
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 async def _stream(client: httpx.AsyncClient, url: str, path: str, body: dict) -> list[Any]:
     resp = await client.post(url + path, json={**body, "stream": True})
     assert resp.status_code == 200, resp.text
-    return _events(resp.text)
+    return data_events(resp.text)
 
 
 def _run(out: Output) -> Output:

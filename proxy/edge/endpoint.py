@@ -333,8 +333,9 @@ class RelayEndpoint:
         model = None
         stream = False
         wants_usage = False
+        fields = None
         if self.check is not None:
-            body = validate.parse_json_object(raw)
+            body = fields = validate.parse_json_object(raw)
             self.check(body)
             model = body.get("model")
             stream = validate.wants_stream(body)
@@ -369,6 +370,7 @@ class RelayEndpoint:
             profile=profile,
             wants_usage=wants_usage,
             received_at=received_at,
+            fields=fields,
         )
 
 

@@ -34,6 +34,9 @@ class Call:
     wants_usage: bool
     received_at: float
     query: bytes = b""
+    # The body as the edge parsed it (chat and completions), for what reads its fields later
+    # (continuation's eligibility) without parsing it again.
+    fields: dict[str, Any] | None = None
     task: asyncio.Task[Any] | None = None
     start_with_body: bool = False  # the server takes START_WITH_BODY
     # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and

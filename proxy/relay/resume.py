@@ -74,12 +74,10 @@ class Resumer:
         self.reprefills = Reprefills()  # continuations between their start and first token
 
     def mark(self, call: Call, policy: Policy) -> None:
-        """Give an eligible stream its ``Splice`` and ask its replica for token ids."""
-        try:
-            body = json.loads(call.body)
-        except ValueError:
-            return
-        if not isinstance(body, dict):
+        """Give an eligible stream its ``Splice`` and ask its replica for token ids. Reads the
+        body the edge parsed: a request pays nothing here while continuation is off."""
+        body = call.fields
+        if body is None:
             return
         if cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body):
             return
