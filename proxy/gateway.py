@@ -80,7 +80,7 @@ class Gateway:
             self.metrics,
         )
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
-        self.client = make_client(policy)
+        self.client = make_client(policy, on_stale_resend=self.metrics.stale_resends.inc)
         self.health_client = make_client(policy)
         # Off (None) unless the OTEL_EXPORTER_OTLP_* variables name a collector.
         self.tracer = tracer_from_environ(self.environ)

@@ -209,12 +209,11 @@ async def test_replica_answering_503_is_ejected_for_consecutive_failures_and_rea
                 await sims[0].set_fault(None)
             await until_state(bad, ReplicaState.HEALTHY)
             assert (bad.changed_at or 0) >= lifted_wall  # readmitted only once lifted
-    # 503 before anything was sent is retried elsewhere: no client saw an error, but for one
-    # this test is not about: a reset by a good replica closing, as idle (its keep-alive is
-    # vLLM's 5 s, the gateway reuses for 4 s), a pooled connection sent on across a pause of
-    # this process (a reset after the send is not retried by default).
+    # 503 before anything was sent is retried elsewhere, and a request that raced a good
+    # replica closing an idle pooled connection (its keep-alive ran out across a pause of this
+    # process) is sent again on a new one: no client saw an error.
     failed = [s.result.error or "" for s in sent if s.result.outcome != OK]
-    assert all("closed the connection" in e and bad.name not in e for e in failed), failed[:3]
+    assert failed == [], failed[:3]
 
 
 async def test_silent_first_tokens_eject_for_first_token_timeout() -> None:
@@ -270,6 +269,7 @@ async def test_unreachable_replica_under_load_is_ejected_and_clients_are_served(
             await until_state(dead, ReplicaState.HEALTHY)
             assert (dead.changed_at or 0) >= lifted_wall  # readmitted only once lifted
     failed = [s.result for s in sent if s.result.outcome != OK]
-    # Connects refused and (opted in) resets are retried; only streams cut mid-way by the crash
-    # may fail.
+    # Connects refused and (opted in) resets are retried, and a request sent on a pooled
+    # connection that the refusing replica closed under it is sent again: only streams cut
+    # mid-way by the crash may fail.
     assert all(r.content_chunks > 0 for r in failed), [r.error for r in failed][:3]

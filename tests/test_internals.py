@@ -152,6 +152,20 @@ INTERNALS = [
     ),
     Internal(
         "aiohttp",
+        "TCPConnector._get(key, traces) takes a pooled connection (None if none); connect() "
+        "calls it first",
+        f"{UPSTREAM} PoolConnector: whether a failed send went out on a pooled connection, "
+        "which decides whether it is sent again",
+        lambda: (
+            (
+                has_params(aiohttp.TCPConnector._get, "key", "traces"),
+                source_has(aiohttp.BaseConnector.connect, "await self._get(key, traces)"),
+            )
+            and None
+        ),
+    ),
+    Internal(
+        "aiohttp",
         "StreamReader.readany() and at_eof()",
         f"{UPSTREAM} RawResponseStream: one relayed chunk per socket read; a burst sent whole",
         _stream_reader,

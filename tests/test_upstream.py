@@ -227,3 +227,130 @@ def test_a_cause_whose_text_cannot_be_made_is_named_by_its_type() -> None:
     # aiohttp's ClientResponseError.__str__ reads request_info, which may be missing.
     exc = aiohttp.ClientResponseError(None, (), message="bad status line")  # type: ignore[arg-type]
     assert upstream.root_cause(exc) == "ClientResponseError"
+
+
+# -- a pooled connection closed under the request ---------------------------------------------
+
+OK_KEEP_ALIVE = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+@contextlib.asynccontextmanager
+async def closes_idle_connections() -> AsyncIterator[tuple[str, list[int]]]:
+    """A server that answers the first request on each connection and keeps it open, then
+    drops the connection when a second request arrives on it without answering: what a
+    replica closing idle keep-alive connections (shutting down, or its keep-alive run out)
+    does to a request that raced the close. Yields its URL and the requests each connection
+    got (one entry per connection)."""
+    per_connection: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        per_connection.append(0)
+        me = len(per_connection) - 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                per_connection[me] += 1
+                if per_connection[me] > 1:
+                    return  # closed unanswered
+                await reader.readexactly(2)  # the b"{}" body
+                writer.write(OK_KEEP_ALIVE)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", per_connection
+    finally:
+        server.close()
+
+
+def counting_client() -> tuple[UpstreamClient, list[int]]:
+    resent: list[int] = []
+    c = make_client(
+        build_policy(policy_for({"p": ["http://127.0.0.1:1"]})),
+        on_stale_resend=lambda: resent.append(1),
+    )
+    return c, resent
+
+
+async def test_a_request_on_a_pooled_connection_closed_under_it_is_sent_again() -> None:
+    c, resent = counting_client()
+    try:
+        async with closes_idle_connections() as (url, per_connection):
+            first = await send(c, url)
+            assert await read_body(first) == b"ok"
+            await first.aclose()
+            assert per_connection == [1]
+            # The second goes out on the pooled connection, which the server drops unanswered:
+            # it is sent again, on a new connection, and answered.
+            second = await send(c, url)
+            assert second.status_code == 200
+            assert await read_body(second) == b"ok"
+            await second.aclose()
+            assert per_connection == [2, 1]
+            assert len(resent) == 1
+    finally:
+        await c.aclose()
+
+
+async def test_a_fresh_connection_closed_under_the_request_is_not_sent_again() -> None:
+    # The replica read the request on a connection made for it, then hung up: it may have
+    # begun the work. That is for the retry rules, not a silent resend.
+    c, resent = counting_client()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        return
+
+    try:
+        async with raw_server(hang_up) as (url, got_request):
+            with pytest.raises(UpstreamClosed):
+                await send(c, url)
+            assert got_request.is_set()
+            assert resent == []
+    finally:
+        await c.aclose()
+
+
+async def test_a_streamed_body_is_not_sent_again() -> None:
+    # A streamed body is consumed by the send that failed: there is nothing to send again.
+    c, resent = counting_client()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    try:
+        async with closes_idle_connections() as (url, per_connection):
+            first = await send(c, url)
+            await read_body(first)
+            await first.aclose()
+            request = httpx.Request(
+                "POST",
+                url + "/v1/chat/completions",
+                content=body(),
+                headers={"content-length": "2"},
+                extensions={"timeout": timeout_extension(None)},
+            )
+            with pytest.raises(UpstreamClosed):
+                await c.transport.handle_async_request(request)
+            assert per_connection == [2]
+            assert resent == []
+    finally:
+        await c.aclose()
+
+
+@pytest.mark.parametrize(
+    ("from_pool", "resends", "streamed", "want"),
+    [
+        (True, 0, False, True),
+        (True, upstream.STALE_RESENDS - 1, False, True),
+        (True, upstream.STALE_RESENDS, False, False),  # bounded: a pool of closed connections
+        (False, 0, False, False),  # a fresh connection: the replica read it
+        (True, 0, True, False),  # a streamed body is gone
+    ],
+)
+def test_stale_resend_allowed(from_pool: bool, resends: int, streamed: bool, want: bool) -> None:
+    assert upstream.stale_resend_allowed(from_pool, resends, streamed=streamed) is want

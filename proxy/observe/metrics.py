@@ -235,6 +235,12 @@ class Metrics:
             ["lane", "reason"],
             registry=r,
         )
+        self.stale_resends = Counter(
+            "tokenlane_stale_connection_resends",
+            "Requests sent again because the pooled connection they went out on was closed "
+            "under them before any answer (the replica never read them).",
+            registry=r,
+        )
         self.continuations = Counter(
             "tokenlane_continuations",
             "Streams continued on another replica after theirs failed mid-answer, by what "

@@ -26,6 +26,7 @@ as it arrived, so the subclass keeps those conversions once and reads what the s
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +49,25 @@ CONNECT_TIMEOUT_S = 3.0
 POOL_TIMEOUT_S = 5.0
 # An idle pooled connection is dropped (on its next acquire) after this long. vLLM's uvicorn
 # closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a POST sent on
-# one it is closing meets a reset after the request was sent, which is not retried by default.
-# Half of 5 s keeps that race off the common path even when the gateway's host stalls for a
-# second between taking a connection from the pool and writing the request (virtual machines
-# do); a reconnect every 2.5 s of idleness costs nothing that matters.
+# one it is closing meets a close or reset before any answer. Half of 5 s keeps that race off
+# the common path even when the gateway's host stalls for a second between taking a
+# connection from the pool and writing the request (virtual machines do); a reconnect every
+# 2.5 s of idleness costs nothing that matters. What the race still costs is resent (below).
 KEEPALIVE_EXPIRY_S = 2.5
+# A request that met a close or reset on a connection taken from the pool, before any byte of
+# an answer, is sent again on another connection, at most this many times. The server closed
+# a connection it held idle (its keep-alive ran out, or it is shutting down: a rolling restart
+# closes every idle connection at once), so it never read the request: RFC 9112 section 9.3.1
+# lets a client resend what it knows was never applied, and a pooled connection closed under
+# the request is what HAProxy's "http-reuse safe" and aiohttp's own resend (idempotent methods
+# only) are for. A fresh connection that fails the same way is a replica that read the
+# request and died: that is the retry rules' to judge (``relay/retry.py``), not resent here.
+STALE_RESENDS = 3
+
+# Whether the connection the current request went out on came from the pool. Set by the
+# connector within the request's own task, read when the send fails (a context variable: a
+# pool shared by many concurrent requests has no per-request slot of its own).
+_FROM_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_POOL", default=False)
 
 _EXTENSIONS = {"http_version": b"HTTP/1.1"}
 
@@ -143,8 +158,9 @@ class RelayTransport(AiohttpTransport):
     ``httpx`` timeout dict the relay reuses, and no redirect, proxy or SNI handling (the relay
     sends plain requests to the replicas' own URLs and follows no redirect)."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, *, on_stale_resend: Callable[[], None] = lambda: None, **kw: Any) -> None:
         super().__init__(**kw)
+        self.on_stale_resend = on_stale_resend
         # id(timeout dict) -> (the dict, kept alive so its id stays its own; the aiohttp timeout)
         self._timeouts: dict[int, tuple[dict[str, float | None], aiohttp.ClientTimeout]] = {}
 
@@ -175,17 +191,28 @@ class RelayTransport(AiohttpTransport):
         else:  # a streamed body: aiohttp frames it itself
             data = stream
             request.headers.pop("transfer-encoding", None)
-        with _mapped(_SENDING):
-            response = await session.request(
-                request.method,
-                str(request.url),
-                headers=request.headers,
-                data=data,
-                allow_redirects=False,
-                auto_decompress=False,
-                compress=False,
-                timeout=self._client_timeout(request.extensions.get("timeout") or {}),
-            )
+        timeout = self._client_timeout(request.extensions.get("timeout") or {})
+        resends = 0
+        while True:
+            try:
+                with _mapped(_SENDING):
+                    response = await session.request(
+                        request.method,
+                        str(request.url),
+                        headers=request.headers,
+                        data=data,
+                        allow_redirects=False,
+                        auto_decompress=False,
+                        compress=False,
+                        timeout=timeout,
+                    )
+                break
+            except UpstreamClosed:
+                # A streamed body is consumed by the first send: it cannot go again.
+                if not stale_resend_allowed(_FROM_POOL.get(), resends, streamed=data is stream):
+                    raise
+                resends += 1
+                self.on_stale_resend()
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
@@ -216,10 +243,33 @@ class UpstreamClient(httpx.AsyncClient):
             return await super().send(request, **kw)
 
 
-def make_client(policy: Policy) -> UpstreamClient:
+def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bool:
+    """Whether a request that met a close or reset before any answer goes out again: only
+    when its connection came from the pool (see ``STALE_RESENDS``) and its body can be sent
+    twice."""
+    return from_pool and not streamed and resends < STALE_RESENDS
+
+
+class PoolConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling the request's task whether its connection was pooled.
+
+    ``_get`` is aiohttp's "take an idle connection from the pool" step (``connect`` calls it
+    first, and again after waiting for a free slot); ``tests/test_internals.py`` holds it to
+    that, so an aiohttp upgrade that renames it fails there and not silently here."""
+
+    async def _get(self, key: Any, traces: Any) -> Any:
+        conn = await super()._get(key, traces)
+        _FROM_POOL.set(conn is not None)
+        return conn
+
+
+def make_client(
+    policy: Policy, *, on_stale_resend: Callable[[], None] = lambda: None
+) -> UpstreamClient:
     """The upstream client. The aiohttp transport ignores ``AsyncClient(limits=...)`` and
     defaults to 100 connections, so it gets the limits itself, sized to what the policy can
-    ever have in flight."""
+    ever have in flight. ``on_stale_resend`` is called for each request sent again because
+    its pooled connection had been closed under it."""
     total = sum(r.max_in_flight for p in policy.pools.values() for r in p.replicas)
     limits = httpx.Limits(
         max_connections=max(256, total + 64),
@@ -228,7 +278,9 @@ def make_client(policy: Policy) -> UpstreamClient:
     )
     timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=POOL_TIMEOUT_S)
     return UpstreamClient(
-        transport=RelayTransport(limits=limits, client=_session_factory(limits)),
+        transport=RelayTransport(
+            limits=limits, client=_session_factory(limits), on_stale_resend=on_stale_resend
+        ),
         timeout=timeout,
         limits=limits,
         # A proxy forwards what it is given: no redirects followed, no headers of its own.
@@ -245,7 +297,7 @@ def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession
     of its own. The connector gets the same explicit limits."""
 
     def make() -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
+        connector = PoolConnector(
             limit=limits.max_connections or 0,
             keepalive_timeout=limits.keepalive_expiry,
         )
@@ -289,6 +341,8 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "KEEPALIVE_EXPIRY_S",
     "POOL_TIMEOUT_S",
+    "STALE_RESENDS",
+    "PoolConnector",
     "RawResponseStream",
     "RelayTransport",
     "UpstreamClient",
@@ -296,5 +350,6 @@ __all__ = [
     "make_client",
     "raw_chunks",
     "root_cause",
+    "stale_resend_allowed",
     "timeout_extension",
 ]
