@@ -32,6 +32,17 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding
 
 
 @contextlib.asynccontextmanager
+async def listening(serve: Handler) -> AsyncIterator[str]:
+    """A TCP server on a free local port running ``serve`` per connection; yields its URL."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+@contextlib.asynccontextmanager
 async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, asyncio.Event]]:
     """A TCP server answering with ``handler``; yields its URL and an event set once a whole
     request head has been read (the request reached the "replica")."""
@@ -47,17 +58,13 @@ async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, asyncio.Event
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", got_request
-    finally:
-        server.close()
+    async with listening(serve) as url:
+        yield url, got_request
 
 
 @pytest.fixture
 async def client() -> AsyncIterator[UpstreamClient]:
-    c = make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
+    c, _ = counting_client()
     try:
         yield c
     finally:
@@ -260,12 +267,8 @@ async def closes_idle_connections() -> AsyncIterator[tuple[str, list[int]]]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", per_connection
-    finally:
-        server.close()
+    async with listening(serve) as url:
+        yield url, per_connection
 
 
 def counting_client() -> tuple[UpstreamClient, list[int]]:
