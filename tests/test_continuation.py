@@ -95,6 +95,27 @@ def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:
     assert strip_ids(b'data: {"a":1}') == b'data: {"a":1}'
 
 
+@pytest.mark.parametrize(
+    ("event", "want"),
+    [
+        (b'{"token_ids":[1,2]}', b'{"token_ids":null}'),
+        (b'{"token_ids": [1, 2]}', b'{"token_ids": null}'),  # spaces, as json.dumps writes
+        (b'{"token_ids":[]}', b'{"token_ids":null}'),
+        (b'{"prompt_token_ids":[1],"x":{"token_ids":[2]}}',
+         b'{"prompt_token_ids":null,"x":{"token_ids":null}}'),
+        (b'{"token_ids":null}', b'{"token_ids":null}'),  # already null (vLLM without the flag)
+        (b'{"stop_token_ids":[1]}', b'{"stop_token_ids":[1]}'),  # another key: kept
+        (b'{"token_ids":["a"]}', b'{"token_ids":["a"]}'),  # not ids: kept
+        # The key's text inside content is escaped, so it is never taken for the key.
+        (b'{"content":"\\"token_ids\\":[1]","token_ids":[3]}',
+         b'{"content":"\\"token_ids\\":[1]","token_ids":null}'),
+        (b'{"token_ids":[1', b'{"token_ids":[1'),  # cut short: left as it is
+    ],
+)  # fmt: skip
+def test_strip_ids_only_touches_the_id_lists(event: bytes, want: bytes) -> None:
+    assert strip_ids(event) == want
+
+
 def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> None:
     sp = Splice("chat", {**BASE, "max_tokens": 10, "temperature": 0, "min_tokens": 5}, True)
     role = {"id": "c1", "created": 7, "model": "m", "prompt_token_ids": [1, 2],
