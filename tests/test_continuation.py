@@ -376,6 +376,29 @@ def test_explain_says_whether_a_stream_would_continue(
     assert (said["eligible"], said["refusal"]) == (eligible, refusal) and said["why"]
 
 
+@pytest.mark.parametrize(
+    ("enabled", "extra", "reason"), [(False, {}, "disabled"), (True, {"stop": ["zzzz"]}, "stop")]
+)
+async def test_a_stream_never_continuable_is_counted_by_why_when_its_replica_fails(
+    enabled: bool, extra: dict[str, Any], reason: str
+) -> None:
+    # The plain relay sees a reset (an in-band error it relays unread); the reason is worked
+    # out then, from the body the edge parsed.
+    async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"enabled": enabled},
+        )
+        async with running_gateway(policy) as (url, app):
+            await a.set_fault({"fault": "cut_reset", "after_tokens": 5})
+            async with httpx.AsyncClient(timeout=30) as client:
+                got = await _chat(client, url, {"max_tokens": 30, **extra})
+    assert got[-1] == "[DONE]" and "error" in got[-2]
+    assert not _continuations(b)
+    assert _count(app, "tokenlane_continuation_refusals_total", lane="all", reason=reason) == 1
+
+
 def test_continuation_is_off_unless_the_policy_turns_it_on() -> None:
     assert explain(ContinuationConfig(), True, "chat", BASE)["refusal"] == "disabled"
 

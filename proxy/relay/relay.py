@@ -476,6 +476,7 @@ class Relay:
     ) -> None:
         """Act on a judged fault: end the client's stream, or raise ``RetryableFailure``."""
         if verdict.action is Action.END_STREAM:
+            self.resumer.not_continued(call, self.policy())
             await self._end_stream_with_error(call, send, detail)
             return
         if verdict.spends_after_send:
