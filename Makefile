@@ -32,7 +32,7 @@ test: venv
 
 bench: venv
 	$(PY) -m loadtest.bench_overhead
-	@for b in loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py loadtest/bench_cache.py; do \
+	@for b in loadtest/bench_parse.py loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py loadtest/bench_cache.py; do \
 	  if [ -f $$b ]; then $(PY) -m loadtest.$$(basename $$b .py) || exit 1; fi; done
 
 lint: venv

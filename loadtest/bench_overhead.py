@@ -8,12 +8,15 @@ configuration is repeated and the median printed.
 - burst: two upstreams send a 64-token stream in one write; TTFT p50/p99, req/s and the
   gateway's CPU ms per request (from /proc) at concurrency 1, 16, 64;
 - paced: 256 concurrent streams of 64 tokens, 50 ms apart, one write per token; added
-  inter-token latency p50/p99/max and gateway CPU µs per relayed chunk.
+  inter-token latency p50/p99/max and gateway CPU µs per relayed chunk, with continuation off
+  and on (on: every stream is eligible, so it asks for token ids, which the upstream sends as
+  vLLM does, and the gateway parses every event and strips the ids).
 
 On a 2-core machine the generator, the upstreams and the gateway share the cores: the direct
 run at each concurrency is the ceiling of generator + upstream, printed beside the gateway's.
 
-    python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--json out.json]
+    python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--mode burst|paced|both]
+        [--continuation off|on|both] [--json out.json]
 """
 
 from __future__ import annotations
@@ -167,8 +170,14 @@ async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None
 
 async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float]:
     payload = stream_request(port)
+    warm = [await connect(port) for _ in range(8)]
+    await asyncio.gather(*(c.send(payload) for c in warm))
+    for c in warm:
+        assert c.transport is not None
+        c.transport.close()
+    # Connected after the warm-up, not before: a connection left idle through it may meet the
+    # server's keep-alive timeout on a loaded machine, and the run would write to a closed one.
     clients = [await connect(port) for _ in range(streams)]
-    await asyncio.gather(*(c.send(payload) for c in clients[:8]))  # warm-up
     for c in clients:
         c.record_arrivals = True
         c.arrivals = []
@@ -198,7 +207,7 @@ async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float
 
 
 @contextlib.contextmanager
-def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
+def fleet(interval_ms: float, continuation: bool = False) -> Iterator[tuple[list[int], int, int]]:
     """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid."""
     ports = [free_port(), free_port()]
     gw_port = free_port()
@@ -232,6 +241,7 @@ def fleet(interval_ms: float) -> Iterator[tuple[list[int], int, int]]:
                 }
             },
             "lanes": [{"name": "all", "pool": "p"}],
+            "continuation": {"enabled": continuation},
         }
         if REDIS_URL:
             policy["redis"] = {"url": REDIS_URL}
@@ -284,13 +294,14 @@ def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_paced(repeat: int, streams: int = 256) -> dict[str, Any]:
-    with fleet(50) as (ports, gw_port, pid):
+def run_paced(repeat: int, streams: int = 256, continuation: bool = False) -> dict[str, Any]:
+    with fleet(50, continuation) as (ports, gw_port, pid):
         direct = [asyncio.run(paced_run(ports[0], streams, None)) for _ in range(repeat)]
         through = [asyncio.run(paced_run(gw_port, streams, pid)) for _ in range(repeat)]
     d, g = median_of(direct), median_of(through)
     return {
         "mode": "paced",
+        "continuation": continuation,
         "streams": streams,
         "direct": d,
         "gateway": g,
@@ -307,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--mode", choices=["burst", "paced", "both"], default="both")
     parser.add_argument("--redis-url", default=None, help="gateway shares state in this Redis")
+    parser.add_argument(
+        "--continuation",
+        choices=["off", "on", "both"],
+        default="both",
+        help="paced mode with continuation off, on, or both side by side",
+    )
     args = parser.parse_args(argv)
     global REDIS_URL
     REDIS_URL = args.redis_url
@@ -342,26 +359,34 @@ def main(argv: list[str] | None = None) -> int:
             )
         print("(direct = the load generator and one upstream alone: the generator's ceiling)")
     if args.mode in ("paced", "both"):
-        p = run_paced(args.repeat)
-        out["paced"] = p
-        d, g = p["direct"], p["gateway"]
-        print(
-            f"\npaced mode: {p['streams']} streams x 64 tokens, 50 ms apart, median of "
-            f"{args.repeat}"
-        )
-        print(
-            f"  ITL direct  p50 {d['itl_p50_ms']:.2f}  p99 {d['itl_p99_ms']:.2f}  "
-            f"max {d['itl_max_ms']:.2f} ms"
-        )
-        print(
-            f"  ITL gateway p50 {g['itl_p50_ms']:.2f}  p99 {g['itl_p99_ms']:.2f}  "
-            f"max {g['itl_max_ms']:.2f} ms"
-        )
-        print(
-            f"  added ITL p50 {p['added_itl_p50_ms']:+.2f}  p99 {p['added_itl_p99_ms']:+.2f}"
-            f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
-            f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk"
-        )
+        switches = {"off": [False], "on": [True], "both": [False, True]}[args.continuation]
+        paced = [run_paced(args.repeat, continuation=on) for on in switches]
+        out["paced"] = paced
+        for p in paced:
+            d, g = p["direct"], p["gateway"]
+            print(
+                f"\npaced mode, continuation {'on' if p['continuation'] else 'off'}: "
+                f"{p['streams']} streams x 64 tokens, 50 ms apart, median of {args.repeat}"
+            )
+            print(
+                f"  ITL direct  p50 {d['itl_p50_ms']:.2f}  p99 {d['itl_p99_ms']:.2f}  "
+                f"max {d['itl_max_ms']:.2f} ms"
+            )
+            print(
+                f"  ITL gateway p50 {g['itl_p50_ms']:.2f}  p99 {g['itl_p99_ms']:.2f}  "
+                f"max {g['itl_max_ms']:.2f} ms"
+            )
+            print(
+                f"  added ITL p50 {p['added_itl_p50_ms']:+.2f}  p99 {p['added_itl_p99_ms']:+.2f}"
+                f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
+                f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk"
+            )
+        if len(paced) == 2:
+            off, on = (p["gateway"]["cpu_us_per_chunk"] for p in paced)
+            print(
+                f"\ncontinuation on costs {on - off:+.1f} us per relayed chunk "
+                f"({(on - off) / off * 100:+.0f} % of off)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -54,31 +54,53 @@ class FakeStats:
     connections: int = 0  # accepted
 
 
-def _chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
-    """One chat chunk as vLLM writes it (compact JSON); ``i == 0`` is the role-only chunk."""
+def _chunk(
+    i: int,
+    content: str | None,
+    finish: str | None = None,
+    ids: list[int] | None = None,
+    prompt_ids: list[int] | None = None,
+) -> bytes:
+    """One chat chunk as vLLM writes it (compact JSON); ``i == 0`` is the role-only chunk.
+    ``ids`` (the choice's ``token_ids``) and ``prompt_ids`` (top-level ``prompt_token_ids``)
+    appear as vLLM adds them when the request asked for ``return_token_ids``."""
     delta: dict[str, Any] = {"content": content} if content is not None else {}
     if i == 0:
         delta = {"role": "assistant", "content": ""}
-    obj = {
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    obj: dict[str, Any] = {
         "id": "chatcmpl-fake",
         "object": "chat.completion.chunk",
         "created": 1779182750,
         "model": MODEL,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
+    if prompt_ids is not None:
+        obj["prompt_token_ids"] = prompt_ids
+    obj["choices"] = [choice]
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def stream_events(tokens: int, usage: bool = False, token_bytes: int = 0) -> list[bytes]:
-    """The events of a chat stream: role chunk, ``tokens`` content chunks, finish, [DONE]."""
-    events = [_chunk(0, None)]
+def stream_events(
+    tokens: int, usage: bool = False, token_bytes: int = 0, token_ids: bool = False
+) -> list[bytes]:
+    """The events of a chat stream: role chunk, ``tokens`` content chunks, finish, [DONE];
+    with ``token_ids``, the ids vLLM sends for ``return_token_ids`` (10 prompt ids, one id per
+    content chunk)."""
+    if token_ids:
+        events = [_chunk(0, None, ids=[], prompt_ids=list(range(1, 11)))]
+    else:
+        events = [_chunk(0, None)]
     if token_bytes:
         # Big test streams: one shared event object, so a 100 MB stream costs no memory here.
-        big = _chunk(1, "x" * token_bytes)
+        big = _chunk(1, "x" * token_bytes, ids=[100] if token_ids else None)
         events += [big] * tokens
     else:
-        events += [_chunk(i + 1, f" tok{i}") for i in range(tokens)]
-    events.append(_chunk(tokens + 1, "", "length"))
+        events += [
+            _chunk(i + 1, f" tok{i}", ids=[1000 + i] if token_ids else None) for i in range(tokens)
+        ]
+    events.append(_chunk(tokens + 1, "", "length", ids=[] if token_ids else None))
     if usage:
         u = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
         obj = {
@@ -271,7 +293,12 @@ class FakeUpstream:
             )
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = stream_events(tokens, usage, int(body.get("fake_token_bytes") or 0))
+        events = stream_events(
+            tokens,
+            usage,
+            int(body.get("fake_token_bytes") or 0),
+            token_ids=body.get("return_token_ids") is True,
+        )
         interval = float(body.get("fake_interval_ms", self.interval_s * 1000)) / 1000
         paced = interval > 0 or "fake_interval_ms" in body
         w.write(

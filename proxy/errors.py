@@ -292,7 +292,7 @@ class UpstreamReadTimeout(UpstreamError):
 
 class HeadRefused(TokenlaneError):
     """Raised from an HTTP parser callback to stop parsing a request head that broke one of
-    the edge's bounds (``proxy.edge.serve``); the connection is answered and closed there."""
+    the edge's bounds (``proxy.edge.bounds``); the connection is answered and closed there."""
 
 
 class AttemptFault(TokenlaneError):

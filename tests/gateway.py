@@ -14,8 +14,8 @@ import httpx
 import yaml
 
 from proxy.config import Policy
+from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import GatewayApp
-from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
 

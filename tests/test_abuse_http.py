@@ -17,8 +17,7 @@ import pytest
 
 from loadtest.fake_upstream import running
 from proxy.config import ServerConfig
-from proxy.edge.routes import GatewayApp
-from proxy.edge.serve import (
+from proxy.edge.bounds import (
     BODY,
     HEAD,
     IDLE,
@@ -28,11 +27,12 @@ from proxy.edge.serve import (
     SILENT,
     Bounds,
     TimerCall,
-    edge_for,
     head_refusal,
     on_timer,
     refusal_answer,
 )
+from proxy.edge.connection import edge_for
+from proxy.edge.routes import GatewayApp
 
 from .gateway import gateway_process, policy_for, rss_bytes, running_gateway
 

@@ -11,7 +11,7 @@ import httpx
 import yaml
 
 from loadtest.fake_upstream import running
-from proxy.edge.serve import NoDelayHttpToolsProtocol
+from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
 from proxy.policyfile import load_policy
 

@@ -95,6 +95,27 @@ def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:
     assert strip_ids(b'data: {"a":1}') == b'data: {"a":1}'
 
 
+@pytest.mark.parametrize(
+    ("event", "want"),
+    [
+        (b'{"token_ids":[1,2]}', b'{"token_ids":null}'),
+        (b'{"token_ids": [1, 2]}', b'{"token_ids": null}'),  # spaces, as json.dumps writes
+        (b'{"token_ids":[]}', b'{"token_ids":null}'),
+        (b'{"prompt_token_ids":[1],"x":{"token_ids":[2]}}',
+         b'{"prompt_token_ids":null,"x":{"token_ids":null}}'),
+        (b'{"token_ids":null}', b'{"token_ids":null}'),  # already null (vLLM without the flag)
+        (b'{"stop_token_ids":[1]}', b'{"stop_token_ids":[1]}'),  # another key: kept
+        (b'{"token_ids":["a"]}', b'{"token_ids":["a"]}'),  # not ids: kept
+        # The key's text inside content is escaped, so it is never taken for the key.
+        (b'{"content":"\\"token_ids\\":[1]","token_ids":[3]}',
+         b'{"content":"\\"token_ids\\":[1]","token_ids":null}'),
+        (b'{"token_ids":[1', b'{"token_ids":[1'),  # cut short: left as it is
+    ],
+)  # fmt: skip
+def test_strip_ids_only_touches_the_id_lists(event: bytes, want: bytes) -> None:
+    assert strip_ids(event) == want
+
+
 def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> None:
     sp = Splice("chat", {**BASE, "max_tokens": 10, "temperature": 0, "min_tokens": 5}, True)
     role = {"id": "c1", "created": 7, "model": "m", "prompt_token_ids": [1, 2],
@@ -353,6 +374,29 @@ def test_explain_says_whether_a_stream_would_continue(
 ) -> None:
     said = explain(ContinuationConfig(enabled=True), lane_switch, "chat", {**BASE, **extra})
     assert (said["eligible"], said["refusal"]) == (eligible, refusal) and said["why"]
+
+
+@pytest.mark.parametrize(
+    ("enabled", "extra", "reason"), [(False, {}, "disabled"), (True, {"stop": ["zzzz"]}, "stop")]
+)
+async def test_a_stream_never_continuable_is_counted_by_why_when_its_replica_fails(
+    enabled: bool, extra: dict[str, Any], reason: str
+) -> None:
+    # The plain relay sees a reset (an in-band error it relays unread); the reason is worked
+    # out then, from the body the edge parsed.
+    async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"enabled": enabled},
+        )
+        async with running_gateway(policy) as (url, app):
+            await a.set_fault({"fault": "cut_reset", "after_tokens": 5})
+            async with httpx.AsyncClient(timeout=30) as client:
+                got = await _chat(client, url, {"max_tokens": 30, **extra})
+    assert got[-1] == "[DONE]" and "error" in got[-2]
+    assert not _continuations(b)
+    assert _count(app, "tokenlane_continuation_refusals_total", lane="all", reason=reason) == 1
 
 
 def test_continuation_is_off_unless_the_policy_turns_it_on() -> None:

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
+from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.endpoint import forwarding_headers, without_connection_named
-from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
 

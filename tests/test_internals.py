@@ -226,7 +226,7 @@ INTERNALS = [
         "uvicorn",
         "HttpToolsProtocol.connection_made(transport), connection_lost(exc), and "
         "on_headers_complete() building self.cycle = RequestResponseCycle(scope=self.scope...)",
-        "proxy/edge/serve.py NoDelayHttpToolsProtocol: TCP_NODELAY, START_WITH_BODY and the "
+        "proxy/edge/connection.py NoDelayHttpToolsProtocol: TCP_NODELAY, START_WITH_BODY and the "
         "client-gone hook",
         lambda: (
             (
@@ -245,7 +245,7 @@ INTERNALS = [
         "uvicorn",
         "RequestResponseCycle: no __slots__ (its class is swapped), .transport written through "
         "in send(), .scope, .disconnected, .response_complete",
-        "proxy/edge/serve.py CoalescingCycle: the response start and first body in one write",
+        "proxy/edge/connection.py CoalescingCycle: the response start and first body in one write",
         lambda: (
             (
                 assert_equal("__slots__" in vars(RequestResponseCycle), False),

@@ -27,8 +27,8 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
+from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.endpoint import request_id_from
-from proxy.edge.serve import NoDelayHttpToolsProtocol
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
 

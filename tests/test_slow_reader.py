@@ -12,7 +12,7 @@ import socket
 import httpx
 
 from loadtest.fake_upstream import running
-from proxy.edge.serve import edge_for
+from proxy.edge.connection import edge_for
 
 from .gateway import policy_for, running_gateway
 from .waiting import wait_until

@@ -201,6 +201,29 @@ def test_parse_event_of_invalid_json_is_none() -> None:
     assert sse.parse_event(b"data: \xff\xfe") is None
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a":1,"a":2}',  # the last of a repeated key
+        b"12345678901234567890123456789",  # beyond 64 bits
+        b'{"x":NaN,"y":-Infinity}',  # json's extensions, which msgspec refuses
+        b'"\\ud800"',  # a lone surrogate
+        b"1e400",
+        b' {"s":"caf\xc3\xa9"} ',
+    ],
+)
+def test_decode_json_gives_what_json_loads_gives(data: bytes) -> None:
+    want = json.loads(data)
+    got = sse.decode_json(data)
+    assert repr(got) == repr(want)  # repr: NaN != NaN
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"[1,]", b"", b"\xff"])
+def test_decode_json_raises_value_error_for_what_is_not_json(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        sse.decode_json(data)
+
+
 # ---------------------------------------------------------------------------- chunk facts
 
 

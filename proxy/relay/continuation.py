@@ -17,7 +17,6 @@ logprobs and ``n`` > 1 have no place in the splice, and a tool call would come b
 from __future__ import annotations
 
 import json
-import re
 from enum import StrEnum
 from typing import Any
 
@@ -189,15 +188,36 @@ def forward_body(body: dict[str, Any]) -> bytes:
 
 
 # vLLM writes chunks as compact JSON; ids are integers. Nulled, not removed, so a client that
-# did not ask sees exactly what vLLM sends without the flag.
-_IDS = re.compile(rb'("(?:prompt_)?token_ids":\s*)\[[0-9,\s]*\]')
+# did not ask sees exactly what vLLM sends without the flag. Found with ``bytes.find``, not a
+# regular expression: a regex scan costs ~12 µs a chunk here, as much as parsing it with json.
+_IDS_KEY = b'token_ids":'
+_ID_BYTES = b"0123456789, \t\r\n"
 
 
 def strip_ids(event: bytes) -> bytes:
     """An event with its ``prompt_token_ids`` / ``token_ids`` lists replaced by null."""
-    if b"token_ids" not in event:
+    i = event.find(_IDS_KEY)
+    if i < 0:
         return event
-    return _IDS.sub(rb"\1null", event)
+    parts: list[bytes] = []
+    done = 0  # event[:done] is in parts
+    while i >= 0:
+        value = i + len(_IDS_KEY)
+        # Inside a JSON string a quote is escaped, so this is a key's end; only these two keys.
+        is_key = event.endswith(b'"', 0, i) or event.endswith(b'"prompt_', 0, i)
+        at = value
+        while event[at : at + 1] in (b" ", b"\t", b"\r", b"\n"):
+            at += 1
+        if is_key and event[at : at + 1] == b"[":
+            end = event.find(b"]", at)
+            if end > 0 and not event[at + 1 : end].translate(None, _ID_BYTES):
+                parts += (event[done:at], b"null")
+                done = end + 1
+        i = event.find(_IDS_KEY, value)
+    if not parts:
+        return event
+    parts.append(event[done:])
+    return b"".join(parts)
 
 
 class Splice:

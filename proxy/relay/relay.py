@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import time
@@ -477,6 +476,7 @@ class Relay:
     ) -> None:
         """Act on a judged fault: end the client's stream, or raise ``RetryableFailure``."""
         if verdict.action is Action.END_STREAM:
+            self.resumer.not_continued(call, self.policy())
             await self._end_stream_with_error(call, send, detail)
             return
         if verdict.spends_after_send:
@@ -563,7 +563,7 @@ class Relay:
             call.error_origin = "replica"  # the replica's own answer, relayed
         if call.status == 200 and call.kind != "other":
             with contextlib.suppress(ValueError):
-                call.usage = sse.usage_of(json.loads(body))
+                call.usage = sse.usage_of(sse.decode_json(body))
         call.started = True
         attempt.phase = Phase.CONTENT
         await self._send_start(

@@ -223,6 +223,19 @@ class Resumer:
     def _refused(self, call: Call, reason: cont.Refusal) -> None:
         self.metrics.continuation_refusals.labels(call.lane.name, reason.value).inc()
 
+    def not_continued(self, call: Call, policy: Policy) -> None:
+        """Count why a stream that was never continuable (``mark`` left it to the plain
+        relay: continuation off, or the request ineligible) is not continued now that its
+        replica failed mid-answer. Only here, on the failure path, is the reason worked out."""
+        body = call.fields
+        if call.continuation is not None or not call.stream or call.kind == "other":
+            return
+        if body is None:
+            return
+        refusal = cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body)
+        if refusal is not None:
+            self._refused(call, refusal)
+
     async def _continue(
         self,
         call: Call,

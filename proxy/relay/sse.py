@@ -12,7 +12,14 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
+
 DONE = b"[DONE]"
+# msgspec decodes a vLLM chunk ~15x faster than ``json.loads`` (0.7 against 9-12 µs here for
+# a 200-byte chunk; loadtest/bench_parse.py): that is most of what a continuable stream pays
+# per event. It is strict where ``json`` is lenient (NaN, lone surrogates, 1e400): whatever it
+# refuses is decoded again by ``json``, so the objects are the ones ``json.loads`` gives.
+_DECODER = msgspec.json.Decoder()
 _DELTA_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "audio")
 
 
@@ -53,8 +60,18 @@ class EventBuffer:
             self._start = start
 
 
+def decode_json(data: bytes) -> Any:
+    """``json.loads(data)``, faster; raises ``ValueError`` for what is not JSON."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return json.loads(data)
+
+
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's ``data:`` lines (joined by newlines), or None for comments."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # vLLM's one line: no split, no join
     lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
     if not lines:
         return None
@@ -69,7 +86,7 @@ def parse_event(event: bytes) -> Any:
     if data.strip() == DONE:
         return DONE
     try:
-        return json.loads(data)
+        return decode_json(data)
     except ValueError:
         return None
 

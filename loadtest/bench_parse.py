@@ -1,0 +1,81 @@
+"""Micro-benchmark of what a continuable stream pays per SSE event, before and after, in one run.
+
+Run: ``.venv/bin/python -m loadtest.bench_parse`` (about ten seconds). Prints the median of
+several repeats in µs per event for a vLLM chat chunk carrying token ids (what an eligible stream
+asks for): decoding it with ``json.loads`` against ``sse.decode_json`` (msgspec), nulling its ids
+with the regular expression the relay used before against ``continuation.strip_ids``, and the
+whole per-event path of ``proxy/relay/resume.py`` (split, parse, note the ids, strip, look for
+content) with each decoder. A plain stream pays none of this after its first content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from loadtest.bench_decisions import per_call_us
+from proxy.relay import continuation as cont
+from proxy.relay import sse
+
+CHUNK = (
+    b'data: {"id":"chatcmpl-8a1f","object":"chat.completion.chunk","created":1767225600,'
+    b'"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"content":" word"},'
+    b'"logprobs":null,"finish_reason":null,"token_ids":[1234]}]}'
+)
+# The relay's id stripping before this benchmark was written, kept here as the "before" figure.
+_OLD_IDS = re.compile(rb'("(?:prompt_)?token_ids":\s*)\[[0-9,\s]*\]')
+
+
+def _old_parse(event: bytes) -> Any:
+    lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    return json.loads(b"\n".join(lines))
+
+
+def per_event_path(
+    parse: Callable[[bytes], Any], strip: Callable[[bytes], bytes], target_s: float
+) -> float:
+    """µs per event of the continuable relay's work on one event."""
+    splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
+    splice.observe({"id": "c", "prompt_token_ids": [1, 2], "choices": [{"token_ids": []}]})
+    events = sse.EventBuffer()
+    data = CHUNK + b"\n\n"
+
+    def one() -> None:
+        for ev in events.feed(data):
+            obj = parse(ev)
+            splice.observe(obj)
+            strip(ev)
+            sse.carries_content(obj)
+        del splice.ids[:]  # keep the list from growing over millions of calls
+
+    return per_call_us(one, target_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target-s", type=float, default=0.1, help="seconds per timed batch")
+    t = parser.parse_args(argv).target_s
+    payload = CHUNK[6:]
+    assert cont.strip_ids(CHUNK) == _OLD_IDS.sub(rb"\1null", CHUNK)
+    rows = [
+        ("decode: json.loads", per_call_us(lambda: json.loads(payload), t)),
+        ("decode: sse.decode_json (msgspec)", per_call_us(lambda: sse.decode_json(payload), t)),
+        ("strip ids: regex (before)", per_call_us(lambda: _OLD_IDS.sub(rb"\1null", CHUNK), t)),
+        ("strip ids: strip_ids (find)", per_call_us(lambda: cont.strip_ids(CHUNK), t)),
+        (
+            "per event, before (json, regex)",
+            per_event_path(_old_parse, lambda ev: _OLD_IDS.sub(rb"\1null", ev), t),
+        ),
+        ("per event, now (msgspec, find)", per_event_path(sse.parse_event, cont.strip_ids, t)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print(f"{'what':<{width}}  µs/event (median)")
+    for name, us in rows:
+        print(f"{name:<{width}}  {us:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""``loadtest/bench_parse.py`` runs and prints a figure for every row (the figures themselves
+are for people; a test asserts no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest import bench_parse
+
+
+def test_bench_parse_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_parse.main(["--target-s", "0.01"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("what")
+    rows = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in lines[1:]}
+    assert len(rows) == 6 and all(us > 0 for us in rows.values()), rows
