@@ -40,13 +40,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn(
-    argv: list[str], *, log: Path | None = None, stderr: Stream = subprocess.DEVNULL
+    argv: list[str],
+    *,
+    log: Path | None = None,
+    stderr: Stream = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session with no stdin.
+    """Start ``argv`` in its own session with no stdin, our environment plus ``env``.
 
     With ``log``, stdout and stderr are appended to that file (read it when a run fails);
     without, stdout is discarded and stderr goes to ``stderr`` (``None`` inherits ours).
     """
+    environ = {**os.environ, **env} if env else None
     if log is None:
         return subprocess.Popen(
             argv,
@@ -54,10 +59,16 @@ def spawn(
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=True,
+            env=environ,
         )
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=environ,
         )
 
 
@@ -81,9 +92,10 @@ def process(
     log: Path | None = None,
     stderr: Stream = subprocess.DEVNULL,
     grace_s: float = 10.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` (see :func:`spawn`) for the duration of the block, then :func:`stop` it."""
-    proc = spawn(argv, log=log, stderr=stderr)
+    proc = spawn(argv, log=log, stderr=stderr, env=env)
     try:
         yield proc
     finally:

@@ -16,8 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
-
 from proxy.config import Policy
 from proxy.errors import UpstreamError
 from proxy.fleet.fleet import Fleet, Replica, ReplicaState
@@ -31,6 +29,7 @@ from proxy.fleet.vllm import (
     parse_metrics,
 )
 from proxy.observe.metrics import Metrics
+from proxy.relay.upstream import UpstreamClient, fetch
 
 log = logging.getLogger("tokenlane.health")
 
@@ -49,7 +48,7 @@ class HealthMonitor:
         self,
         fleet: Fleet,
         policy: Callable[[], Policy],
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -146,8 +145,12 @@ class HealthMonitor:
     async def _check_health(self, replica: Replica, timeout_s: float) -> bool:
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self.client.get(
-                    replica.url + "/health", headers=self._headers(replica), timeout=timeout_s
+                resp = await fetch(
+                    self.client,
+                    "GET",
+                    replica.url + "/health",
+                    headers=self._headers(replica),
+                    timeout_s=timeout_s,
                 )
                 return resp.status_code == 200
         except PROBE_ERRORS as exc:
@@ -157,10 +160,12 @@ class HealthMonitor:
     async def _scrape(self, replica: Replica, timeout_s: float) -> EngineSample | None:
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self.client.get(
+                resp = await fetch(
+                    self.client,
+                    "GET",
                     replica.url + "/metrics",
                     headers={**self._headers(replica), **METRICS_HEADERS},
-                    timeout=timeout_s,
+                    timeout_s=timeout_s,
                 )
                 if resp.status_code != 200:
                     return None
@@ -175,8 +180,12 @@ class HealthMonitor:
     async def _refresh_models(self, replica: Replica, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self.client.get(
-                    replica.url + "/v1/models", headers=self._headers(replica), timeout=timeout_s
+                resp = await fetch(
+                    self.client,
+                    "GET",
+                    replica.url + "/v1/models",
+                    headers=self._headers(replica),
+                    timeout_s=timeout_s,
                 )
                 if resp.status_code == 200:
                     replica.models = model_cards(resp.json())
@@ -190,11 +199,13 @@ class HealthMonitor:
         started = self.clock()
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self.client.post(
+                resp = await fetch(
+                    self.client,
+                    "POST",
                     replica.url + CANARY_PATH,
                     json=canary_request(model),
                     headers={**self._headers(replica), **CANARY_HEADERS},
-                    timeout=timeout_s,
+                    timeout_s=timeout_s,
                 )
         except TimeoutError:
             return False, f"canary: no token within {timeout_s:g}s"

@@ -243,6 +243,32 @@ class UpstreamClient(httpx.AsyncClient):
             return await super().send(request, **kw)
 
 
+async def fetch(
+    client: UpstreamClient,
+    method: str,
+    url: str,
+    *,
+    headers: dict[str, str],
+    timeout_s: float,
+    json: Any = None,
+) -> httpx.Response:
+    """A whole small exchange (the health monitor's /health, /metrics, /v1/models and canary),
+    read to its end and closed.
+
+    Sent through the transport, as the relay sends: ``AsyncClient.send`` binds each response
+    and its stream to each other, a reference cycle only the cycle collector frees, and the
+    gateway raises the collector's threshold (``edge/serve.py``). At two replicas probed every
+    0.2 s that garbage grew the process by ~14 MB a minute before a collection came."""
+    request = client.build_request(method, url, headers=headers, json=json, timeout=timeout_s)
+    response = await client.transport.handle_async_request(request)
+    try:
+        with _mapped(_READING):
+            await response.aread()
+    finally:
+        await response.aclose()
+    return response
+
+
 def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bool:
     """Whether a request that met a close or reset before any answer goes out again: only
     when its connection came from the pool (see ``STALE_RESENDS``) and its body can be sent
