@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 POLICY ?=
 
-.PHONY: run test bench lint venv clean
+.PHONY: run test bench fuzz soak lint venv clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,16 @@ bench: venv
 	$(PY) -m loadtest.bench_overhead
 	@for b in loadtest/bench_parse.py loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py loadtest/bench_cache.py; do \
 	  if [ -f $$b ]; then $(PY) -m loadtest.$$(basename $$b .py) || exit 1; fi; done
+
+# 10,000 generated bodies through a gateway and two simulators (`make test` sends 500);
+# TOKENLANE_FUZZ_SEED=N for other bodies.
+fuzz: venv
+	TOKENLANE_FUZZ_BODIES=$${TOKENLANE_FUZZ_BODIES:-10000} $(PY) -m pytest tests/test_fuzz.py --reruns 0 -s -q
+
+# Streaming load through the demo fleet with a rotating fault every minute, 30 minutes
+# (MINUTES=N for a shorter run).
+soak: venv
+	$(PY) -m loadtest.bench_soak --minutes $${MINUTES:-30}
 
 lint: venv
 	$(VENV)/bin/ruff check proxy loadtest tests

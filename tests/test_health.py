@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -363,3 +364,43 @@ async def test_probes_stop_once_a_removed_replica_has_drained() -> None:
         finally:
             await monitor.stop()
             await client.aclose()
+
+
+async def test_probes_leave_no_reference_cycles() -> None:
+    """The gateway raises the cycle collector's threshold (``edge/serve.py``), so garbage
+    that only the collector frees piles up between its passes: a probe (health, metrics,
+    models, canary) must leave none. ``AsyncClient.get`` left one response-stream cycle each."""
+    async with sims(1) as (sim,):
+        policy = build_policy(
+            {
+                "pools": {"p": {"replicas": [{"url": sim.url}]}},
+                "lanes": [{"name": "all", "pool": "p"}],
+                "health": HEALTH,
+            }
+        )
+        metrics = Metrics()
+        fleet = Fleet(policy, {}, metrics=metrics)
+        client = make_client(policy)
+        monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+        (replica,) = fleet.replicas()
+        try:
+            await monitor.probe_once(replica, 0)  # pooled connections made, caches warm
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for _ in range(5):
+                    await monitor.probe_once(replica, 0)  # round 0: the models are read too
+                    good, detail = await monitor._canary(replica, HEALTH["canary_timeout_s"])
+                    assert good, detail
+                gc.collect()
+                left = [
+                    f"{type(o).__module__}.{type(o).__qualname__}"
+                    for o in gc.garbage
+                    if type(o).__module__.startswith(("httpx", "aiohttp", "proxy"))
+                ]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+        finally:
+            await client.aclose()
+    assert left == []

@@ -369,3 +369,34 @@ def test_error_event_carries_the_given_code_and_escapes_the_message() -> None:
         "ServiceUnavailableError",
         504,
     )
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        # vLLM's end of a stream: the finishing chunk, the usage chunk, [DONE]
+        (
+            b'ta: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n',
+            ["length"],
+        ),
+        # n = 2: each choice ends in its own chunk
+        (
+            b'data: {"choices":[{"index":1,"delta":{},"finish_reason":"stop"}]}\r\n\r\n'
+            b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\r\n\r\n',
+            ["stop", "length"],
+        ),
+        (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n', []),
+        (b"", []),
+        (b'"finish_reason":"stop"}]}\n\n', []),  # the tail began mid-event
+    ],
+)
+def test_last_finish_reasons(tail: bytes, expected: list[str]) -> None:
+    assert sse.last_finish_reasons(tail) == expected
+
+
+def test_finish_reasons_of_a_plain_response() -> None:
+    answer = {"choices": [{"finish_reason": "stop"}, {"finish_reason": None}, "junk"]}
+    assert sse.finish_reasons_of(answer) == ["stop"]
+    assert sse.finish_reasons_of({"choices": "x"}) == sse.finish_reasons_of([]) == []

@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import MODEL, running
+from loadtest.sim.server import run_sim
+from loadtest.sim.settings import SimSettings
 from proxy.errors import RetryableFailure, RetryReason
 from proxy.fleet.fleet import ReplicaState
 from proxy.observe import tracing
@@ -142,6 +144,7 @@ async def test_a_retried_request_is_one_trace_from_client_to_each_replica() -> N
     assert a["gen_ai.request.max_tokens"] == 5
     assert a["gen_ai.usage.output_tokens"] == 5
     assert isinstance(a["gen_ai.usage.input_tokens"], int)
+    assert list(a["gen_ai.response.finish_reasons"]) == ["length"]  # max_tokens reached
     assert a["gen_ai.response.time_to_first_chunk"] > 0
     assert a["tokenlane.lane"] == "all" and a["tokenlane.pool"] == "p"
     assert a["tokenlane.retries"] == 1 and attrs(plain)["tokenlane.retries"] == 0
@@ -167,6 +170,61 @@ async def test_a_retried_request_is_one_trace_from_client_to_each_replica() -> N
         if t == "/v1/chat/completions"
     }
     assert seen == {(traceparent(CLIENT_TRACE, c.span_id.hex()), "vendor=abc") for c in clients}
+
+
+async def test_a_continued_stream_is_one_trace_with_a_span_per_replica() -> None:
+    """A stream cut on ``a`` and finished on ``b``: the SERVER span carries the seam (an event
+    and a count) and the finish reason; one CLIENT span per replica, the second marked as the
+    continuation, and ``b`` received that span's context."""
+    settings = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.0,
+                           request_overhead_s=0.0)  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "tell me"}],
+        "max_tokens": 30,
+        "temperature": 0,
+        "stream": True,
+    }
+    with receiving() as receiver:
+        async with run_sim(settings, name="a") as a, run_sim(settings, name="b") as b:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}
+            policy = policy_for(
+                {"a": [a.url], "b": [b.url]},
+                lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+                continuation={"enabled": True},
+            )
+            async with running_gateway(policy, environ=env) as (url, _):
+                await a.set_fault({"fault": "cut_close", "after_tokens": 10})
+                async with httpx.AsyncClient(timeout=30) as client:
+                    r = await client.post(
+                        url + "/v1/chat/completions",
+                        json=body,
+                        headers={"traceparent": traceparent(CLIENT_TRACE, "0000000000000009")},
+                    )
+                assert r.status_code == 200 and "error" not in r.text
+            spans = list(receiver.spans)
+            a_name, b_name = a.url.removeprefix("http://"), b.url.removeprefix("http://")
+            received = [q["headers"].get("traceparent") for q in b.requests()
+                        if q["path"] == "/v1/completions"]  # fmt: skip
+    [server] = [s for s in spans if s.kind == SERVER]
+    first, second = sorted(
+        (s for s in spans if s.kind == CLIENT), key=lambda s: s.start_time_unix_nano
+    )
+    assert first.parent_span_id == second.parent_span_id == server.span_id
+    assert attrs(first)["tokenlane.replica"] == a_name
+    assert "tokenlane.continuation" not in attrs(first)
+    assert attrs(second)["tokenlane.replica"] == b_name
+    assert attrs(second)["tokenlane.continuation"] == 1
+    assert "error.type" not in attrs(second)
+    a_server = attrs(server)
+    assert a_server["tokenlane.continuations"] == 1
+    assert list(a_server["gen_ai.response.finish_reasons"]) == ["length"]
+    [seam] = [e for e in server.events if e.name == "tokenlane.continuation"]
+    seam_attrs = {kv.key: kv.value for kv in seam.attributes}
+    assert seam_attrs["tokenlane.continuation.from"].string_value == a_name
+    assert seam_attrs["tokenlane.continuation.to"].string_value == b_name
+    assert seam_attrs["tokenlane.continuation.trigger"].string_value == "eof"
+    # b's continuation request carried the continuation's CLIENT span as its parent.
+    assert traceparent(CLIENT_TRACE, second.span_id.hex()) in received
 
 
 async def test_tracing_is_off_without_the_otlp_variables() -> None:

@@ -119,6 +119,15 @@ def outcome_attributes(call: Call) -> dict[str, Any]:
             attrs["gen_ai.usage.input_tokens"] = prompt
         if isinstance(completion, int):
             attrs["gen_ai.usage.output_tokens"] = completion
+    seams = getattr(call.continuation, "seams", None)
+    if seams:
+        attrs["tokenlane.continuations"] = len(seams)
+    reasons = call.finish_reasons
+    if reasons is None:  # a continuable stream: its splice read every chunk
+        finish = getattr(call.continuation, "finish_reason", None)
+        reasons = [finish] if isinstance(finish, str) else None
+    if reasons:
+        attrs["gen_ai.response.finish_reasons"] = list(reasons)
     if call.error is not None:
         attrs["error.type"] = _error_type(call.status)
     return attrs
@@ -181,6 +190,12 @@ class Tracer:
         span = call.trace
         call.trace = None
         span.set_attributes(outcome_attributes(call))
+        for seam in getattr(call.continuation, "seams", None) or ():
+            # Each switch to another replica: from, to, at which token, why.
+            span.add_event(
+                "tokenlane.continuation",
+                attributes={f"tokenlane.continuation.{k}": v for k, v in seam.items()},
+            )
         if call.ttft_s is not None:
             # The first chunk as a point on the timeline, not only a duration.
             at = time.time_ns() - int((now() - call.received_at - call.ttft_s) * 1e9)
@@ -189,9 +204,12 @@ class Tracer:
             span.set_status(self._error)
         span.end()
 
-    def attempt_started(self, call: Call, replica: Replica, request: httpx.Request) -> Any:
+    def attempt_started(
+        self, call: Call, replica: Replica, request: httpx.Request, *, continuation: int = 0
+    ) -> Any:
         """A CLIENT span, child of the request's SERVER span, whose context replaces the
-        client's trace headers on ``request``."""
+        client's trace headers on ``request``. ``continuation``: the seam number (from 1) of
+        a stream continued on ``replica``, 0 for an ordinary attempt."""
         parent = self._trace.set_span_in_context(call.trace) if call.trace is not None else None
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": operation_name(call.kind, call.path),
@@ -200,6 +218,8 @@ class Tracer:
             "tokenlane.replica": replica.name,
             "tokenlane.attempt": call.retries + 1,
         }
+        if continuation:
+            attrs["tokenlane.continuation"] = continuation
         if request.url.port is not None:
             attrs["server.port"] = request.url.port
         if call.model is not None:
@@ -217,9 +237,18 @@ class Tracer:
         return span
 
     def attempt_finished(
-        self, span: Any, call: Call, attempt: Attempt, exc: BaseException | None
+        self,
+        span: Any,
+        call: Call,
+        attempt: Attempt,
+        exc: BaseException | None,
+        error: str | None = None,
     ) -> None:
+        """End an attempt's span: how it ended (``exc``, or ``error`` for a failure the relay
+        returned as a value rather than raised)."""
         attrs = attempt_outcome(attempt, exc)
+        if error is not None:
+            attrs["error.type"] = error
         if exc is None and call.status:
             attrs["http.response.status_code"] = call.status
         span.set_attributes(attrs)

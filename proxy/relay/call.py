@@ -53,6 +53,9 @@ class Call:
     overhead_s: float | None = None  # arrival to the first attempt's send
     content_chunks: int = 0
     usage: dict[str, Any] | None = None
+    # Each choice's finish_reason as the answer ended, read only while tracing is on (a trace
+    # attribute) or where the answer is parsed anyway (continuation, a plain response).
+    finish_reasons: list[str] | None = None
     error: str | None = None
     finished: bool = False
     disconnected: bool = False

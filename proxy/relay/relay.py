@@ -153,6 +153,7 @@ class Relay:
             response_start=self._response_start,
             send_start=self._send_start,
             end_with_error=self._end_stream_with_error,
+            tracer=tracer,
         )
 
     def cut_all(self, message: str) -> int:
@@ -563,7 +564,9 @@ class Relay:
             call.error_origin = "replica"  # the replica's own answer, relayed
         if call.status == 200 and call.kind != "other":
             with contextlib.suppress(ValueError):
-                call.usage = sse.usage_of(sse.decode_json(body))
+                answer = sse.decode_json(body)
+                call.usage = sse.usage_of(answer)
+                call.finish_reasons = sse.finish_reasons_of(answer)
         call.started = True
         attempt.phase = Phase.CONTENT
         await self._send_start(
@@ -664,7 +667,10 @@ class Relay:
         if found:
             call.ttft_s = t - call.received_at
             call.content_chunks = 1
-        tail = body[-2048:] if call.wants_usage else b""
+        # The stream's last bytes, for its usage (when the client asked for it) and, while
+        # tracing, its finish reasons; nothing is kept otherwise.
+        keep_tail = call.wants_usage or self.tracer is not None
+        tail = body[-2048:] if keep_tail else b""
         itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
         if not ended:
             async for chunk in chunks:
@@ -679,11 +685,14 @@ class Relay:
                     itl.observe(t2 - t)
                 t = t2
                 call.content_chunks += 1
-                if call.wants_usage:
+                if keep_tail:
                     tail = (tail + chunk)[-2048:]
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         if tail:
-            call.usage = sse.last_usage(tail)
+            if call.wants_usage:
+                call.usage = sse.last_usage(tail)
+            if self.tracer is not None:
+                call.finish_reasons = sse.last_finish_reasons(tail)
 
     @staticmethod
     async def _send_start(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from proxy.errors import (
 )
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
+from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
@@ -60,6 +62,7 @@ class Resumer:
         response_start: Callable[[Call, httpx.Response, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
+        tracer: Tracer | None = None,
     ) -> None:
         self.admission = admission
         self.fleet = fleet
@@ -71,6 +74,7 @@ class Resumer:
         self.response_start = response_start
         self.send_start = send_start
         self.end_with_error = end_with_error
+        self.tracer = tracer  # None: tracing off; else each continuation is a CLIENT span
         self.reprefills = Reprefills()  # continuations between their start and first token
 
     def mark(self, call: Call, policy: Policy) -> None:
@@ -348,6 +352,7 @@ class Resumer:
         target.streams.add(attempt)
         failure: FailureKind | None = None
         holder: list[httpx.Response] = []
+        spans: list[Any] = []  # the continuation's CLIENT span, while tracing
         loop = asyncio.get_running_loop()
         name = target.name
         events = sse.EventBuffer()
@@ -367,6 +372,9 @@ class Resumer:
                 headers=headers,
                 extensions={"timeout": self.timeout(call.lane, True)},
             )
+            if self.tracer is not None:
+                seam = len(sp.seams)
+                spans.append(self.tracer.attempt_started(call, target, request, continuation=seam))
             resp = await self.transport.handle_async_request(request)
             holder.append(resp)
             if resp.status_code != 200:
@@ -445,6 +453,9 @@ class Resumer:
                 result = (trig, f"replica {name}: {exc.why}", last_sent)
             return result
         finally:
+            if spans and self.tracer is not None:
+                failed = f"continuation_{result[0].value}" if result is not None else None
+                self.tracer.attempt_finished(spans[0], call, attempt, sys.exc_info()[1], failed)
             slot.release()
             if not opener.done():
                 opener.cancel()

@@ -124,6 +124,30 @@ def usage_of(obj: Any) -> dict[str, Any] | None:
     return None
 
 
+def finish_reasons_of(obj: Any) -> list[str]:
+    """The non-null ``finish_reason`` of each choice of a response or chunk object."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return []
+    return [
+        c["finish_reason"]
+        for c in choices
+        if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)
+    ]
+
+
+def last_finish_reasons(tail: bytes) -> list[str]:
+    """Every choice's ``finish_reason`` from the last events of a stream (vLLM sends each in
+    the choice's last chunk, just before the usage chunk and ``[DONE]``)."""
+    if b"\r" in tail:
+        tail = tail.replace(b"\r\n", b"\n")
+    reasons: list[str] = []
+    for event in tail.split(b"\n\n"):
+        if b'"finish_reason"' in event:  # a partial first event parses to None
+            reasons.extend(finish_reasons_of(parse_event(event.strip())))
+    return reasons
+
+
 def last_usage(tail: bytes) -> dict[str, Any] | None:
     """``usage`` from the last events of a stream (vLLM sends it just before ``[DONE]``)."""
     if b"\r" in tail:  # as EventBuffer does: accept CRLF line ends

@@ -1,0 +1,340 @@
+"""Soak: streaming load through the demo fleet with a rotating fault every minute.
+
+``python -m loadtest.bench_soak`` (``make soak``; ``--minutes`` for a shorter run) runs
+``tokenlane demo`` (a gateway and three simulated replicas under a supervisor that restarts
+a crashed one) with continuation on, and keeps ``--streams`` streaming chat requests open
+(temperature 0, one of ``PROMPTS`` prompts each). Each minute one fault from ``ROTATION`` hits
+the next replica for ``--fault-s`` seconds, then the fleet has the rest of the minute to heal:
+every simulator fault kind, and a policy reload. Every answer is checked against the same
+prompt's answer taken before the first fault (the simulator's output at temperature 0 is a
+function of the prompt), so a lost or repeated token shows as a differing text.
+
+It prints one row per minute (the fault, requests ended, failures by kind, streams continued,
+texts that differ, the gateway's RSS and open file descriptors) and the totals against the
+targets: no lost or repeated token, no hang, no failure the design can avoid, RSS growth under
+1 MB a minute after the warm-up minute. Not exercised here: a Redis kill (the demo has no
+Redis) and a worker or instance SIGKILL (the gateway runs one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import yaml
+
+from loadtest.procs import free_port, process, rss_mb, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+PROMPTS = 16
+# One a minute, in this order, each on the next replica (a "reload" edits the policy file).
+ROTATION: list[tuple[str, dict[str, Any]]] = [
+    ("stall", {"fault": "stall"}),
+    ("cut_close", {"fault": "cut_close", "after_tokens": 8}),
+    ("cut_reset", {"fault": "cut_reset", "after_tokens": 8}),
+    ("cut_error", {"fault": "cut_error", "after_tokens": 8}),
+    ("cut_abort", {"fault": "cut_abort", "after_tokens": 8}),
+    ("engine_dead", {"fault": "engine_dead"}),
+    ("crash", {"fault": "crash"}),
+    ("refuse", {"fault": "refuse"}),
+    ("hang_accept", {"fault": "hang_accept"}),
+    ("health_fail", {"fault": "health_fail"}),
+    ("slow", {"fault": "slow", "factor": 4}),
+    ("error_rate", {"fault": "error_rate", "rate": 0.5}),
+    ("reload", {}),
+]
+# How a request ended, as the client saw it.
+OK, DIFFERS, BEFORE_FIRST, MID_STREAM, HANG = (
+    "ok",
+    "differs",
+    "before_first_token",
+    "mid_stream",
+    "hang",
+)
+
+
+@dataclass
+class Ended:
+    """One request as the client saw it."""
+
+    prompt: int
+    minute: int
+    outcome: str = OK
+    text: str = ""
+    request_id: str | None = None
+    detail: str = ""
+
+
+@dataclass
+class Minute:
+    fault: str
+    target: str
+    rss_mb: float = 0.0
+    fds: int = 0
+    ended: Counter[str] = field(default_factory=Counter)
+
+
+def chat_body(prompt: int, max_tokens: int) -> bytes:
+    """Even prompts are short (the demo's ``short`` lane, on the interactive pool); odd ones
+    ~1,500 tokens long (the ``long`` lane, on the bulk pool): faults on either pool meet load."""
+    filler = " and then" * 500 if prompt % 2 else ""
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"soak prompt {prompt}: a story{filler}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
+
+
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, prompt: int, minute: int, max_tokens: int
+) -> Ended:
+    """One streaming request read to its end: its text and how it ended."""
+    ended = Ended(prompt, minute)
+    got_content = False
+    try:
+        async with session.post(url, data=chat_body(prompt, max_tokens)) as resp:
+            ended.request_id = resp.headers.get("x-request-id")
+            if resp.status != 200:
+                ended.outcome, ended.detail = BEFORE_FIRST, f"status {resp.status}"
+                await resp.read()
+                return ended
+            done = False
+            parts: list[str] = []
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    ended.outcome = MID_STREAM if got_content else BEFORE_FIRST
+                    ended.detail = str(obj["error"].get("message", ""))[:120]
+                    return ended
+                for choice in obj.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        got_content = True
+                        parts.append(text)
+            ended.text = "".join(parts)
+            if not done:
+                ended.outcome = MID_STREAM if got_content else BEFORE_FIRST
+                ended.detail = "ended without [DONE]"
+    except TimeoutError:
+        ended.outcome, ended.detail = HANG, "no end within the client timeout"
+    except aiohttp.ClientError as exc:
+        ended.outcome = MID_STREAM if got_content else BEFORE_FIRST
+        ended.detail = f"{type(exc).__name__}: {exc}"[:120]
+    return ended
+
+
+def fds_of(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def soak_policy(ports: list[int], gateway_port: int) -> dict[str, Any]:
+    """The demo's policy on free ports, with continuation on and fast health checks."""
+    policy = yaml.safe_load((ROOT / "config/policy.demo.yaml").read_text())
+    replicas = [r for pool in policy["pools"].values() for r in pool["replicas"]]
+    for replica, port in zip(replicas, ports, strict=True):
+        replica["url"] = f"http://127.0.0.1:{port}"
+    policy["server"]["port"] = gateway_port
+    policy["continuation"] = {"enabled": True}
+    policy["health"] = {**policy.get("health", {}), "interval_s": 0.5, "stall_after_s": 3}
+    return policy
+
+
+def access_lines(log: Path) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for text in log.read_text(errors="replace").splitlines():
+        if text.startswith("{") and '"request_id"' in text:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(text)
+                out[str(rec["request_id"])] = rec
+    return out
+
+
+def rss_slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (minute, MB): growth in MB a minute."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
+
+
+async def inject(replica_url: str, body: dict[str, Any], duration_s: float) -> str:
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(replica_url + "/sim/fault", json={**body, "duration_s": duration_s})
+        return "" if r.status_code == 200 else f"fault refused: {r.status_code} {r.text[:100]}"
+
+
+def reload_policy(path: Path, flip: int) -> None:
+    """A harmless edit, saved by rename as editors do: the demo reloads it."""
+    policy = yaml.safe_load(path.read_text())
+    policy["retry"] = {**policy.get("retry", {}), "max_attempts": 2 + flip % 2}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(policy))
+    tmp.replace(path)
+
+
+async def run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="tokenlane-soak-"))
+    ports = [free_port() for _ in range(3)]
+    gw_port = free_port()
+    policy = soak_policy(ports, gw_port)
+    names = [r["name"] for pool in policy["pools"].values() for r in pool["replicas"]]
+    urls = [r["url"] for pool in policy["pools"].values() for r in pool["replicas"]]
+    path = workdir / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    log = workdir / "demo.log"
+    base = f"http://127.0.0.1:{gw_port}"
+    argv = [sys.executable, "-m", "proxy", "demo", "--policy", str(path)]
+    with process(argv, log=log, grace_s=30) as demo:
+        await asyncio.to_thread(wait_http, base + "/ready", 120)
+        timeout = aiohttp.ClientTimeout(total=args.client_timeout_s)
+        connector = aiohttp.TCPConnector(limit=args.streams + 8)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            url = base + "/v1/chat/completions"
+            expected: dict[int, str] = {}
+            for p in range(PROMPTS):  # the unfaulted answers
+                first = await stream_one(session, url, p, -1, args.max_tokens)
+                if first.outcome != OK:
+                    print(
+                        f"baseline request failed: {first.outcome} {first.detail}", file=sys.stderr
+                    )
+                    return 1
+                expected[p] = first.text
+            ended: list[Ended] = []
+            minutes: list[Minute] = []
+            stop = asyncio.Event()
+            minute_now = 0
+
+            async def client(k: int) -> None:
+                i = k
+                while not stop.is_set():
+                    e = await stream_one(session, url, i % PROMPTS, minute_now, args.max_tokens)
+                    if e.outcome == OK and e.text != expected[e.prompt]:
+                        e.outcome, e.detail = (
+                            DIFFERS,
+                            f"{len(e.text)} chars, expected {len(expected[e.prompt])}",
+                        )
+                    ended.append(e)
+                    i += args.streams
+
+            clients = [asyncio.create_task(client(k)) for k in range(args.streams)]
+            started = time.monotonic()
+            print(f"soak: {args.minutes} min, {args.streams} streams, demo log {log}", flush=True)
+            print(_header(), flush=True)
+            for m in range(args.minutes):
+                minute_now = m
+                name, body = ROTATION[(m - 1) % len(ROTATION)]
+                if m == 0:
+                    name, target, note = "none (warm-up)", "-", ""
+                elif name == "reload":
+                    target, note = "policy", ""
+                    reload_policy(path, m)
+                else:
+                    target = names[(m - 1) % len(names)]
+                    note = await inject(urls[(m - 1) % len(urls)], body, args.fault_s)
+                minutes.append(Minute(name, target))
+                await asyncio.sleep(max(0.0, started + 60 * (m + 1) - time.monotonic()))
+                row = minutes[-1]
+                row.rss_mb, row.fds = rss_mb(demo.pid), fds_of(demo.pid)
+                row.ended = Counter(e.outcome for e in ended if e.minute == m)
+                print(_row(m, row) + (f"  {note}" if note else ""), flush=True)
+            stop.set()
+            await asyncio.wait(clients, timeout=args.client_timeout_s + 10)
+        lines = access_lines(log)
+    return _report(args, ended, minutes, lines, log)
+
+
+def _header() -> str:
+    return (
+        f"{'min':>3} {'fault':<14} {'target':<8} {'ended':>6} {'ok':>6} {'before':>6} "
+        f"{'mid':>4} {'differ':>6} {'hang':>4} {'RSS MB':>7} {'fds':>5}"
+    )
+
+
+def _row(m: int, row: Minute) -> str:
+    c = row.ended
+    return (
+        f"{m:>3} {row.fault:<14} {row.target:<8} {sum(c.values()):>6} {c[OK]:>6} "
+        f"{c[BEFORE_FIRST]:>6} {c[MID_STREAM]:>4} {c[DIFFERS]:>6} {c[HANG]:>4} "
+        f"{row.rss_mb:>7.1f} {row.fds:>5}"
+    )
+
+
+def _report(
+    args: argparse.Namespace,
+    ended: list[Ended],
+    minutes: list[Minute],
+    lines: dict[str, dict[str, Any]],
+    log: Path,
+) -> int:
+    total = Counter(e.outcome for e in ended)
+    continued = sum(
+        1 for e in ended if e.request_id and (lines.get(e.request_id) or {}).get("continuations")
+    )
+    by_fault: dict[str, Counter[str]] = {}
+    for e in ended:
+        if e.outcome != OK and 0 <= e.minute < len(minutes):
+            by_fault.setdefault(minutes[e.minute].fault, Counter())[e.outcome] += 1
+    points = [(float(m), row.rss_mb) for m, row in enumerate(minutes) if m >= 1]
+    slope = rss_slope(points)
+    traceback = "Traceback" in log.read_text(errors="replace")
+    print()
+    print(f"requests {len(ended)}: " + ", ".join(f"{k} {v}" for k, v in sorted(total.items())))
+    print(f"streams continued on another replica: {continued}")
+    for fault, c in by_fault.items():
+        print(f"  failures during {fault}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    for e in [e for e in ended if e.outcome != OK][:10]:
+        print(f"  e.g. minute {e.minute} {e.outcome}: {e.detail}")
+    print(f"RSS growth after the warm-up minute: {slope:+.2f} MB/min (target < 1)")
+    fds = [row.fds for row in minutes]
+    if fds:
+        print(f"open fds: first {fds[0]}, last {fds[-1]}, max {max(fds)}")
+    print(f"traceback in the gateway's log: {'yes' if traceback else 'no'} ({log})")
+    lost = total[DIFFERS]
+    print(f"targets: lost or repeated tokens {lost} (0), hangs {total[HANG]} (0)")
+    return 0 if lost == 0 and total[HANG] == 0 and slope < 1.0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--minutes", type=int, default=30, help="length of the run (one fault a minute)"
+    )
+    parser.add_argument("--streams", type=int, default=24, help="concurrent streaming clients")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--fault-s", type=float, default=35.0, help="how long each fault lasts")
+    parser.add_argument("--client-timeout-s", type=float, default=120.0, help="a hang, past this")
+    args = parser.parse_args(argv)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
