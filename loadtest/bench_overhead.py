@@ -12,11 +12,15 @@ configuration is repeated and the median printed.
   and on (on: every stream is eligible, so it asks for token ids, which the upstream sends as
   vLLM does, and the gateway parses every event and strips the ids).
 
+``--tracing on|both`` runs the gateway with OpenTelemetry tracing on as well (exporting over
+OTLP/HTTP to a receiver in this process that answers every export with 200): the burst rows
+give the cost per request, a paced run (continuation off) the cost per chunk.
+
 On a 2-core machine the generator, the upstreams and the gateway share the cores: the direct
 run at each concurrency is the ceiling of generator + upstream, printed beside the gateway's.
 
     python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--mode burst|paced|both]
-        [--continuation off|on|both] [--json out.json]
+        [--continuation off|on|both] [--tracing off|on|both] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -206,9 +212,39 @@ async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float
 # ---------------------------------------------------------------------------- the setup
 
 
+class _Sink(BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver that reads each export and answers 200 (an empty protobuf
+    ``ExportTraceServiceResponse`` is zero bytes)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def fleet(interval_ms: float, continuation: bool = False) -> Iterator[tuple[list[int], int, int]]:
-    """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid."""
+def otlp_sink() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def fleet(
+    interval_ms: float, continuation: bool = False, tracing: bool = False
+) -> Iterator[tuple[list[int], int, int]]:
+    """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid.
+    ``tracing``: the gateway exports its spans to a receiver in this process."""
     ports = [free_port(), free_port()]
     gw_port = free_port()
     with contextlib.ExitStack() as stack:
@@ -245,6 +281,9 @@ def fleet(interval_ms: float, continuation: bool = False) -> Iterator[tuple[list
         }
         if REDIS_URL:
             policy["redis"] = {"url": REDIS_URL}
+        env = None
+        if tracing:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": stack.enter_context(otlp_sink())}
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         path = Path(tmp) / "policy.yaml"
         path.write_text(yaml.safe_dump(policy))
@@ -262,6 +301,7 @@ def fleet(interval_ms: float, continuation: bool = False) -> Iterator[tuple[list
                     "info",
                 ],
                 log=Path(tmp) / "gw.log",
+                env=env,
             )
         )
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
@@ -272,9 +312,9 @@ def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
+def run_burst(seconds: float, repeat: int, tracing: bool = False) -> list[dict[str, Any]]:
     rows = []
-    with fleet(0) as (ports, gw_port, pid):
+    with fleet(0, tracing=tracing) as (ports, gw_port, pid):
         for conc in (1, 16, 64):
             direct, through = [], []
             for _ in range(repeat):
@@ -284,6 +324,7 @@ def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "mode": "burst",
+                    "tracing": tracing,
                     "concurrency": conc,
                     "direct": d,
                     "gateway": g,
@@ -294,14 +335,17 @@ def run_burst(seconds: float, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_paced(repeat: int, streams: int = 256, continuation: bool = False) -> dict[str, Any]:
-    with fleet(50, continuation) as (ports, gw_port, pid):
+def run_paced(
+    repeat: int, streams: int = 256, continuation: bool = False, tracing: bool = False
+) -> dict[str, Any]:
+    with fleet(50, continuation, tracing) as (ports, gw_port, pid):
         direct = [asyncio.run(paced_run(ports[0], streams, None)) for _ in range(repeat)]
         through = [asyncio.run(paced_run(gw_port, streams, pid)) for _ in range(repeat)]
     d, g = median_of(direct), median_of(through)
     return {
         "mode": "paced",
         "continuation": continuation,
+        "tracing": tracing,
         "streams": streams,
         "direct": d,
         "gateway": g,
@@ -324,7 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="paced mode with continuation off, on, or both side by side",
     )
+    parser.add_argument(
+        "--tracing",
+        choices=["off", "on", "both"],
+        default="off",
+        help="OpenTelemetry tracing off, on, or both side by side (burst, and paced with "
+        "continuation off)",
+    )
     args = parser.parse_args(argv)
+    tracings = {"off": [False], "on": [True], "both": [False, True]}[args.tracing]
     global REDIS_URL
     REDIS_URL = args.redis_url
     try:
@@ -338,11 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         out["redis_url"] = REDIS_URL
         print(f"gateway with shared state in Redis at {REDIS_URL}")
     if args.mode in ("burst", "both"):
-        rows = run_burst(args.seconds, args.repeat)
+        rows = [row for t in tracings for row in run_burst(args.seconds, args.repeat, t)]
         out["burst"] = rows
         print(
             f"burst mode: 64-token stream in one write, two upstreams, {args.seconds:g}s runs,"
             f" median of {args.repeat}"
+            + (", tracing off then on" if len(tracings) == 2 else "")
+            + (", tracing on" if tracings == [True] else "")
         )
         print(
             f"{'conc':>4} | {'direct p50':>10} {'p99':>7} {'req/s':>7} | {'gateway p50':>11} "
@@ -355,17 +409,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{d['rps']:>7.0f} | {g['ttft_p50_ms']:>11.2f} {g['ttft_p99_ms']:>7.2f} "
                 f"{g['rps']:>7.0f} {g['cpu_ms_per_req']:>10.3f} | "
                 f"{r['added_ttft_p50_ms']:>+7.2f} {r['added_ttft_p99_ms']:>+7.2f} | "
-                f"{int(g['errors'] + d['errors'])}"
+                f"{int(g['errors'] + d['errors'])}" + ("  (tracing on)" if r["tracing"] else "")
             )
         print("(direct = the load generator and one upstream alone: the generator's ceiling)")
     if args.mode in ("paced", "both"):
         switches = {"off": [False], "on": [True], "both": [False, True]}[args.continuation]
-        paced = [run_paced(args.repeat, continuation=on) for on in switches]
+        runs = [(on, False) for on in switches] if False in tracings else []
+        runs += [(False, True)] if True in tracings else []
+        paced = [run_paced(args.repeat, continuation=c, tracing=t) for c, t in runs]
         out["paced"] = paced
         for p in paced:
             d, g = p["direct"], p["gateway"]
             print(
-                f"\npaced mode, continuation {'on' if p['continuation'] else 'off'}: "
+                f"\npaced mode, continuation {'on' if p['continuation'] else 'off'}"
+                f"{', tracing on' if p['tracing'] else ''}: "
                 f"{p['streams']} streams x 64 tokens, 50 ms apart, median of {args.repeat}"
             )
             print(
@@ -381,12 +438,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"  max {p['added_itl_max_ms']:+.2f} ms;  gateway CPU "
                 f"{g['cpu_us_per_chunk']:.1f} us per relayed chunk"
             )
-        if len(paced) == 2:
-            off, on = (p["gateway"]["cpu_us_per_chunk"] for p in paced)
-            print(
-                f"\ncontinuation on costs {on - off:+.1f} us per relayed chunk "
-                f"({(on - off) / off * 100:+.0f} % of off)"
-            )
+        plain = [p for p in paced if not p["continuation"] and not p["tracing"]]
+        for p in paced:
+            if plain and p is not plain[0]:
+                off, on = plain[0]["gateway"]["cpu_us_per_chunk"], p["gateway"]["cpu_us_per_chunk"]
+                what = "tracing" if p["tracing"] else "continuation"
+                print(
+                    f"\n{what} on costs {on - off:+.1f} us per relayed chunk "
+                    f"({(on - off) / off * 100:+.0f} % of off)"
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

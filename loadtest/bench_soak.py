@@ -76,6 +76,7 @@ class Ended:
     text: str = ""
     request_id: str | None = None
     detail: str = ""
+    retry_after_s: float = 0.0  # a refusal's Retry-After: the client waits, as SDKs do
 
 
 @dataclass
@@ -113,6 +114,8 @@ async def stream_one(
             ended.request_id = resp.headers.get("x-request-id")
             if resp.status != 200:
                 ended.outcome, ended.detail = BEFORE_FIRST, f"status {resp.status}"
+                with contextlib.suppress(ValueError):
+                    ended.retry_after_s = min(5.0, float(resp.headers.get("retry-after", 0)))
                 await resp.read()
                 return ended
             done = False
@@ -154,14 +157,24 @@ def fds_of(pid: int) -> int:
 
 
 def soak_policy(ports: list[int], gateway_port: int) -> dict[str, Any]:
-    """The demo's policy on free ports, with continuation on and fast health checks."""
+    """The demo's policy on free ports, with continuation on, fast health checks and short
+    ejections (10 s, at most 30 s): a replica ejected for one minute's fault is back before the
+    next minute's fault hits its peer, so the next fault meets a pool that can take its load.
+    With the default 30 s doubling, a cut fault (whose one-token canary passes) is readmitted,
+    re-ejected for 60 s, and the peer's fault a minute later finds no replica to move to."""
     policy = yaml.safe_load((ROOT / "config/policy.demo.yaml").read_text())
     replicas = [r for pool in policy["pools"].values() for r in pool["replicas"]]
     for replica, port in zip(replicas, ports, strict=True):
         replica["url"] = f"http://127.0.0.1:{port}"
     policy["server"]["port"] = gateway_port
     policy["continuation"] = {"enabled": True}
-    policy["health"] = {**policy.get("health", {}), "interval_s": 0.5, "stall_after_s": 3}
+    policy["health"] = {
+        **policy.get("health", {}),
+        "interval_s": 0.5,
+        "stall_after_s": 3,
+        "eject_base_s": 10,
+        "eject_max_s": 30,
+    }
     return policy
 
 
@@ -244,6 +257,8 @@ async def run(args: argparse.Namespace) -> int:
                         )
                     ended.append(e)
                     i += args.streams
+                    if e.retry_after_s > 0:
+                        await asyncio.sleep(e.retry_after_s)
 
             clients = [asyncio.create_task(client(k)) for k in range(args.streams)]
             started = time.monotonic()
@@ -311,6 +326,14 @@ def _report(
     print(f"streams continued on another replica: {continued}")
     for fault, c in by_fault.items():
         print(f"  failures during {fault}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    why: Counter[str] = Counter()
+    for e in ended:
+        if e.outcome in (BEFORE_FIRST, MID_STREAM) and 0 <= e.minute < len(minutes):
+            error = str((lines.get(e.request_id or "") or {}).get("error") or e.detail)
+            # "... ; not continued: <reason>" names why a stream was not saved
+            why[f"{minutes[e.minute].fault}: {error.rpartition('; ')[2][:70]}"] += 1
+    for reason, n in why.most_common(12):
+        print(f"  {n:>6}  {reason}")
     for e in [e for e in ended if e.outcome != OK][:10]:
         print(f"  e.g. minute {e.minute} {e.outcome}: {e.detail}")
     print(f"RSS growth after the warm-up minute: {slope:+.2f} MB/min (target < 1)")
