@@ -9,11 +9,20 @@ every simulator fault kind, and a policy reload. Every answer is checked against
 prompt's answer taken before the first fault (the simulator's output at temperature 0 is a
 function of the prompt), so a lost or repeated token shows as a differing text.
 
+With ``--redis`` (``redis-server`` on the PATH, as ``make test`` installs it) the gateway
+keeps its shared state in a Redis of its own, a second instance (``tokenlane serve`` on the
+same policy) takes half the clients, and the rotation gains a Redis SIGKILL (restarted after
+the fault's time) and a SIGKILL of the second instance (restarted after 10 s). While that
+instance is down its clients use the first, as a load balancer's health check would; the
+streams it held when killed fail, and are counted under that fault.
+
 It prints one row per minute (the fault, requests ended, failures by kind, streams continued,
-texts that differ, the gateway's RSS and open file descriptors) and the totals against the
-targets: no lost or repeated token, no hang, no failure the design can avoid, RSS growth under
-1 MB a minute after the warm-up minute. Not exercised here: a Redis kill (the demo has no
-Redis) and a worker or instance SIGKILL (the gateway runs one process).
+texts that differ, the demo gateway's RSS and open file descriptors) and the totals against
+the targets: no lost or repeated token, no hang, no failure the design can avoid, RSS growth
+under 1 MB a minute after the warm-up minute. Requests count under the minute they ended in
+(a fault at a minute's start cuts streams begun in the minute before). A SIGKILLed instance's
+own streams are cut with it (no gateway can finish a stream whose connection died): its clients
+are the ones counted mid-stream in that minute. Not exercised: a worker SIGKILL (the gateway has no workers).
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +47,8 @@ import aiohttp
 import httpx
 import yaml
 
-from loadtest.procs import free_port, process, rss_mb, wait_http
+from loadtest.procs import free_port, process, rss_mb, spawn, wait_http, wait_port
+from loadtest.procs import stop as stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -56,6 +69,9 @@ ROTATION: list[tuple[str, dict[str, Any]]] = [
     ("error_rate", {"fault": "error_rate", "rate": 0.5}),
     ("reload", {}),
 ]
+# Added with --redis.
+SHARED_ROTATION: list[tuple[str, dict[str, Any]]] = [("redis_kill", {}), ("instance_kill", {})]
+INSTANCE_DOWN_S = 10.0
 # How a request ended, as the client saw it.
 OK, DIFFERS, BEFORE_FIRST, MID_STREAM, HANG = (
     "ok",
@@ -214,11 +230,69 @@ def reload_policy(path: Path, flip: int) -> None:
     tmp.replace(path)
 
 
+class Redis:
+    """A redis-server on a fixed port, killed and started again by the rotation."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        self.proc = spawn(argv, log=self.log)
+        wait_port(self.port)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc)
+
+
+class Instance:
+    """The second gateway instance (``--redis``), killed and started again by the rotation."""
+
+    def __init__(self, policy: Path, port: int, log: Path) -> None:
+        self.argv = [sys.executable, "-m", "proxy", "serve", "--config", str(policy)]
+        self.argv += ["--port", str(port)]
+        self.base, self.log = f"http://127.0.0.1:{port}", log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.up = False
+
+    async def start(self) -> None:
+        self.proc = spawn(self.argv, log=self.log)
+        await asyncio.to_thread(wait_http, self.base + "/ready", 120)
+        self.up = True
+
+    def kill(self) -> None:
+        self.up = False
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        self.up = False
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc)
+
+
 async def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tokenlane-soak-"))
     ports = [free_port() for _ in range(3)]
     gw_port = free_port()
     policy = soak_policy(ports, gw_port)
+    redis: Redis | None = None
+    if args.redis:
+        if shutil.which("redis-server") is None:
+            print("--redis needs redis-server on the PATH (apt-get install redis-server)")
+            return 2
+        redis = Redis(free_port(), workdir / "redis.log")
+        redis.start()
+        policy["redis"] = {"url": redis.url}
     names = [r["name"] for pool in policy["pools"].values() for r in pool["replicas"]]
     urls = [r["url"] for pool in policy["pools"].values() for r in pool["replicas"]]
     path = workdir / "policy.yaml"
@@ -226,8 +300,16 @@ async def run(args: argparse.Namespace) -> int:
     log = workdir / "demo.log"
     base = f"http://127.0.0.1:{gw_port}"
     argv = [sys.executable, "-m", "proxy", "demo", "--policy", str(path)]
-    with process(argv, log=log, grace_s=30) as demo:
+    second = Instance(path, free_port(), workdir / "instance-2.log") if redis else None
+    # The shared faults first, so a short run (--minutes 2) already meets both.
+    rotation = (SHARED_ROTATION if redis else []) + ROTATION
+    with contextlib.ExitStack() as cleanup, process(argv, log=log, grace_s=30) as demo:
         await asyncio.to_thread(wait_http, base + "/ready", 120)
+        if redis is not None:
+            cleanup.callback(redis.stop)
+        if second is not None:
+            await second.start()
+            cleanup.callback(second.stop)
         timeout = aiohttp.ClientTimeout(total=args.client_timeout_s)
         connector = aiohttp.TCPConnector(limit=args.streams + 8)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -249,7 +331,12 @@ async def run(args: argparse.Namespace) -> int:
             async def client(k: int) -> None:
                 i = k
                 while not stop.is_set():
-                    e = await stream_one(session, url, i % PROMPTS, minute_now, args.max_tokens)
+                    # Odd clients use the second instance while it is up (a balancer's view).
+                    to = url
+                    if second is not None and k % 2 and second.up:
+                        to = second.base + "/v1/chat/completions"
+                    e = await stream_one(session, to, i % PROMPTS, minute_now, args.max_tokens)
+                    e.minute = minute_now  # the minute it ended in
                     if e.outcome == OK and e.text != expected[e.prompt]:
                         e.outcome, e.detail = (
                             DIFFERS,
@@ -261,17 +348,26 @@ async def run(args: argparse.Namespace) -> int:
                         await asyncio.sleep(e.retry_after_s)
 
             clients = [asyncio.create_task(client(k)) for k in range(args.streams)]
+            restarts: list[asyncio.Task[None]] = []
             started = time.monotonic()
             print(f"soak: {args.minutes} min, {args.streams} streams, demo log {log}", flush=True)
             print(_header(), flush=True)
             for m in range(args.minutes):
                 minute_now = m
-                name, body = ROTATION[(m - 1) % len(ROTATION)]
+                name, body = rotation[(m - 1) % len(rotation)]
                 if m == 0:
                     name, target, note = "none (warm-up)", "-", ""
                 elif name == "reload":
                     target, note = "policy", ""
                     reload_policy(path, m)
+                elif name == "redis_kill" and redis is not None:
+                    target, note = "redis", ""
+                    redis.kill()
+                    restarts.append(_later(args.fault_s, redis.start))
+                elif name == "instance_kill" and second is not None:
+                    target, note = "gw-2", ""
+                    second.kill()
+                    restarts.append(_later(INSTANCE_DOWN_S, second.start))
                 else:
                     target = names[(m - 1) % len(names)]
                     note = await inject(urls[(m - 1) % len(urls)], body, args.fault_s)
@@ -282,9 +378,25 @@ async def run(args: argparse.Namespace) -> int:
                 row.ended = Counter(e.outcome for e in ended if e.minute == m)
                 print(_row(m, row) + (f"  {note}" if note else ""), flush=True)
             stop.set()
-            await asyncio.wait(clients, timeout=args.client_timeout_s + 10)
+            await asyncio.wait(clients + restarts, timeout=args.client_timeout_s + 10)
         lines = access_lines(log)
+        if second is not None:
+            lines.update(access_lines(second.log))
     return _report(args, ended, minutes, lines, log)
+
+
+def _later(delay_s: float, start: Callable[[], Any]) -> asyncio.Task[None]:
+    """Run ``start`` (a function or a coroutine function) after ``delay_s``."""
+
+    async def later() -> None:
+        await asyncio.sleep(delay_s)
+        result = start()
+        if asyncio.iscoroutine(result):
+            await result
+        else:
+            await asyncio.sleep(0)
+
+    return asyncio.create_task(later())
 
 
 def _header() -> str:
@@ -355,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--fault-s", type=float, default=35.0, help="how long each fault lasts")
     parser.add_argument("--client-timeout-s", type=float, default=120.0, help="a hang, past this")
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="shared state in a Redis, a second instance, and their SIGKILLs in the rotation",
+    )
     args = parser.parse_args(argv)
     return asyncio.run(run(args))
 
