@@ -22,7 +22,8 @@ the targets: no lost or repeated token, no hang, no failure the design can avoid
 under 1 MB a minute after the warm-up minute. Requests count under the minute they ended in
 (a fault at a minute's start cuts streams begun in the minute before). A SIGKILLed instance's
 own streams are cut with it (no gateway can finish a stream whose connection died): its clients
-are the ones counted mid-stream in that minute. Not exercised: a worker SIGKILL (the gateway has no workers).
+are the ones counted mid-stream in that minute. Not exercised: a worker SIGKILL (the gateway
+has no workers).
 """
 
 from __future__ import annotations

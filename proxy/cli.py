@@ -58,6 +58,7 @@ def _check(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from proxy.relay import continuation
     from proxy.routing.explain import explain_request
+    from proxy.routing.profile import guess_kind
     from proxy.routing.tokens import TokenizerError, load_counter
 
     try:
@@ -73,7 +74,7 @@ def _explain(args: argparse.Namespace) -> int:
     if not isinstance(body, dict):
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 1
-    kind = args.kind or ("completion" if "prompt" in body and "messages" not in body else "chat")
+    kind = args.kind or guess_kind(body)
     tokenizer_file = policy.estimate.tokenizer_file
     try:
         counter = load_counter(tokenizer_file) if tokenizer_file else None
@@ -182,7 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("request", help="a JSON request body")
     p.add_argument("--chars-per-token", type=float, default=None)
-    p.add_argument("--kind", choices=["chat", "completion"], default=None)
+    p.add_argument(
+        "--kind",
+        choices=["chat", "completion", "messages", "responses"],
+        default=None,
+        help="the API the body is for (default: guessed from its fields; an Anthropic Messages "
+        "body is guessed by its max_tokens with system or content blocks, say --kind messages "
+        "to be sure)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--after",

@@ -124,6 +124,14 @@ class ServerConfig(_Strict):
         "appended); from any other peer they are replaced by the peer's address.",
     )
 
+    # Browsers' cross-origin calls, answered as vLLM's --allowed-origins does (preflights,
+    # Access-Control-* headers); empty: no CORS headers, a preflight is a 405.
+    cors_allowed_origins: list[str] = key(
+        [],
+        "Origins whose browser requests are allowed (CORS), e.g. https://app.example or *; "
+        "preflights are answered as vLLM answers them. Empty: no CORS.",
+    )
+
     @field_validator("trusted_proxies")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:

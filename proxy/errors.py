@@ -26,7 +26,9 @@ Raised where the fault is found; a ``GatewayError`` becomes an answer only throu
 renderers at the end of this module (ASGI messages, a Starlette response, an SSE error event).
 The others keep the builtin base they had (``ValueError``, ``LookupError``) so that callers
 catching those still do. Bodies use OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``, as vLLM does since 2025-08.
+"code"}}``, as vLLM does since 2025-08; on the Anthropic Messages paths (``Dialect.ANTHROPIC``)
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, whose ``type`` that SDK reads
+(see ``ANTHROPIC_TYPES``). The status and ``Retry-After`` are the same in both.
 
 Errors that never reach a client as such (the relay turns them into one of the above):
 
@@ -87,6 +89,38 @@ class Fault(StrEnum):
     ERROR_EVENT = "error_event"  # the stream carried an error event before any content
 
 
+class Dialect(StrEnum):
+    """Whose error shape a path speaks: the gateway's own errors must parse in its clients'
+    SDKs (the Anthropic SDK reads ``error.type``, the OpenAI SDK ``error.message``)."""
+
+    OPENAI = "openai"  # chat, completions, responses and every relayed path of vLLM's
+    ANTHROPIC = "anthropic"  # /v1/messages and /v1/messages/count_tokens
+    RESPONSES = "responses"  # /v1/responses: OpenAI's bodies, typed in-band stream events
+
+
+def dialect_of(path: str) -> Dialect:
+    if path.startswith("/v1/messages"):
+        return Dialect.ANTHROPIC
+    if path.startswith("/v1/responses"):
+        return Dialect.RESPONSES
+    return Dialect.OPENAI
+
+
+# Anthropic's error types by status (its API's errors page); 503 is its overloaded_error,
+# which Anthropic itself sends as 529: the status stays the gateway's, the SDK retries both.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
 class TokenlaneError(Exception):
     """The root of every exception the gateway raises itself."""
 
@@ -112,7 +146,10 @@ class GatewayError(TokenlaneError):
         self.code: str | int | None = code if code is not None else self.status
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, dialect: Dialect = Dialect.OPENAI) -> dict[str, Any]:
+        if dialect is Dialect.ANTHROPIC:
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return error_body(self.message, self.type, self.param, self.code)
 
 
@@ -157,8 +194,8 @@ class PolicyRefused(GatewayError):
         super().__init__("the new policy is invalid; the old one stays")
         self.problems = list(problems)
 
-    def body(self) -> dict[str, Any]:
-        return {**super().body(), "problems": self.problems}
+    def body(self, dialect: Dialect = Dialect.OPENAI) -> dict[str, Any]:
+        return {**super().body(dialect), "problems": self.problems}
 
 
 class Rejected(GatewayError):
@@ -334,19 +371,20 @@ def internal_error(code: int | None = 500) -> GatewayError:
     return err
 
 
-def error_json(err: GatewayError) -> bytes:
+def error_json(err: GatewayError, dialect: Dialect = Dialect.OPENAI) -> bytes:
     """The body of ``err``'s answer on the relayed paths (``json.dumps``' default spacing)."""
-    return json.dumps(err.body()).encode()
+    return json.dumps(err.body(dialect)).encode()
 
 
 def error_messages(
     err: GatewayError,
     request_id: str | None = None,
     extra: list[tuple[bytes, bytes]] | tuple[()] = (),
+    dialect: Dialect = Dialect.OPENAI,
 ) -> tuple[Message, Message]:
     """``err`` as the two ASGI messages of a whole answer; ``extra`` is the request's
     ``Call.extra_headers`` (its key's rate-limit headers)."""
-    body = error_json(err)
+    body = error_json(err, dialect)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     for k, v in err.headers.items():
         headers.append((k.encode(), v.encode()))
@@ -364,20 +402,28 @@ async def send_error(
     err: GatewayError,
     request_id: str | None = None,
     extra: list[tuple[bytes, bytes]] | tuple[()] = (),
+    dialect: Dialect = Dialect.OPENAI,
 ) -> None:
     """Answer with ``err`` over ASGI (the relayed paths, and auth in front of Starlette)."""
-    start, body = error_messages(err, request_id, extra)
+    start, body = error_messages(err, request_id, extra, dialect)
     await send(start)
     await send(body)
 
 
-def error_response(err: GatewayError) -> JSONResponse:
+def error_response(err: GatewayError, dialect: Dialect = Dialect.OPENAI) -> JSONResponse:
     """``err`` as a Starlette response (models, admin, and Starlette's own 404 / 405 / 500):
     Starlette's compact JSON, with ``err``'s headers."""
-    return JSONResponse(err.body(), err.status, headers=err.headers)
+    return JSONResponse(err.body(dialect), err.status, headers=err.headers)
 
 
-def sse_error_event(err: GatewayError) -> bytes:
-    """``err`` as the last events of a stream that already started: an OpenAI-shaped error
-    event, then ``[DONE]``, as vLLM ends a failed stream."""
+def sse_error_event(err: GatewayError, dialect: Dialect = Dialect.OPENAI) -> bytes:
+    """``err`` as the last events of a stream that already started, in the stream's own
+    dialect: chat and completions end with an OpenAI-shaped error event and ``[DONE]``, as vLLM
+    ends a failed stream; a Messages stream with Anthropic's ``event: error``; a Responses
+    stream with its typed ``error`` event. Neither of the last two has ``[DONE]``."""
+    if dialect is Dialect.ANTHROPIC:
+        return b"event: error\ndata: " + error_json(err, dialect) + b"\n\n"
+    if dialect is Dialect.RESPONSES:
+        event = {"type": "error", "code": err.type, "message": err.message, "param": err.param}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     return b"data: " + error_json(err) + b"\n\ndata: [DONE]\n\n"

@@ -63,6 +63,30 @@ def test_explain_prints_profile_lane_reasons_and_candidates(tmp_path: Path) -> N
     assert "eligible: False" in result.stdout and "not a stream" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        ({"model": "m", "system": "terse", "max_tokens": 64, "stream": True,
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "hi " * 50}]}]},
+         "messages"),
+        ({"model": "m", "input": "hi " * 50, "max_output_tokens": 64, "stream": True},
+         "responses"),
+    ],
+)  # fmt: skip
+def test_explain_reads_messages_and_responses_bodies(
+    tmp_path: Path, body: dict[str, object], kind: str
+) -> None:
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps(body))
+    result = tokenlane("explain", "--config", "config/policy.example.yaml", str(request), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["profile"]["kind"] == kind
+    assert out["profile"]["output_tokens"] == 64
+    assert out["profile"]["prompt_tokens_est"] >= 150 // 4  # 150 characters at ~4 a token
+    assert "short" in json.dumps(out["lane"])
+
+
 def test_explain_names_a_bad_request_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")

@@ -63,8 +63,11 @@ class ClientKeys:
 
     def identify(self, authorization: bytes | None) -> str | None:
         """The id of the key in an ``Authorization`` header value; None if missing or wrong."""
-        token = bearer_token(authorization)
-        if token is None:
+        return self.identify_token(bearer_token(authorization))
+
+    def identify_token(self, token: bytes | None) -> str | None:
+        """The id of a bare key (a Bearer token, an ``x-api-key`` value); None if wrong."""
+        if not token:
             return None
         digest = hashlib.sha256(token).digest()
         found: str | None = None
@@ -114,19 +117,25 @@ class Guard:
         """The client's key id (None when auth is off); raises ``Unauthorized``."""
         if not self.keys.enabled:
             return None
-        value = None
+        # Anthropic's clients send their key as ``x-api-key``: a key is a key in either header
+        # (neither is ever relayed: ``relay.DROP_UPSTREAM``).
+        value = api_key = None
         for k, v in headers:
             if k == b"authorization":
                 value = v
-                break
+            elif k == b"x-api-key":
+                api_key = v.strip()
         kid = self.keys.identify(value)
+        if kid is None and api_key is not None:
+            kid = self.keys.identify_token(api_key)
         if kid is not None:
             return kid
         self.metrics.rejections.labels(NO_LANE, "unauthorized").inc()
-        if value is None:
+        if value is None and api_key is None:
             message = (
                 "You didn't provide an API key. You need to provide your API key in an "
-                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), "
+                "or in an x-api-key header."
             )
         else:
             message = "Incorrect API key provided."  # never echo any part of it

@@ -31,6 +31,7 @@ from proxy.errors import (
     NotFound,
     PayloadTooLarge,
     ShuttingDown,
+    dialect_of,
     internal_error,
     send_error,
 )
@@ -57,7 +58,28 @@ PASSTHROUGH_PATHS = (
     "/detokenize",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    # The rest of what vLLM's api_server serves (pooling, scoring, rendering, SageMaker).
+    "/score",
+    "/rerank",
+    "/v2/rerank",
+    "/v2/embed",
+    "/classify",
+    "/pooling",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/chat/completions/batch",
+    "/invocations",
+    "/v1/messages/count_tokens",
 )
+# Pass-through paths vLLM serves to GET (``/ping`` also to POST, as SageMaker calls it).
+PASSTHROUGH_GET_PATHS = {
+    "/ping": ("GET", "POST"),
+    "/version": ("GET",),
+    "/tokenizer_info": ("GET",),
+}
+# Stored responses, by id (``/v1/responses/{id}``, ``.../cancel``, ``.../input_items``):
+# answered only by the replica holding the response (``relay.homes``).
+RESPONSES_BY_ID = "/v1/responses/"
 
 _ID_PREFIX = os.urandom(7).hex()
 _id_counter = itertools.count(int.from_bytes(os.urandom(4), "big"))
@@ -148,6 +170,18 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+_USAGE_ALWAYS = frozenset({"messages", "responses"})
+
+
+def stored_response_id(path: str) -> str:
+    """The response id in ``/v1/responses/{id}[/cancel|/input_items]``."""
+    return path[len(RESPONSES_BY_ID) :].split("/", 1)[0]
+
+
+def unknown_response_message(response_id: str) -> str:
+    return f"Response with id '{response_id}' not found."
+
+
 def request_id_from(value: bytes | None) -> str:
     """The client's ``X-Request-Id`` when it is sane, else a new one: 24 hex digits, a random
     prefix drawn once per process and a counter (no system call per request)."""
@@ -181,14 +215,26 @@ async def _listen_for_disconnect(receive: Receive, call: Call) -> None:
 class RelayEndpoint:
     """POST handler for one relayed path: parse, check, classify, relay, observe."""
 
-    def __init__(self, parts: EndpointParts, guard: Guard, path: str, kind: str) -> None:
+    def __init__(
+        self,
+        parts: EndpointParts,
+        guard: Guard,
+        path: str,
+        kind: str,
+        methods: tuple[str, ...] = ("POST",),
+    ) -> None:
+        """``path`` is the relayed path, or ``RESPONSES_BY_ID`` for every path under it."""
         self.gw = parts
         self.guard = guard
         self.path = path
         self.kind = kind
+        self.methods = methods
+        self.dialect = dialect_of(path)
         self.check = {
             "chat": validate.check_chat,
             "completion": validate.check_completion,
+            "messages": validate.check_messages,
+            "responses": validate.check_responses,
         }.get(kind)
         self._networks: tuple[list[str], list[IPNetwork]] | None = None
 
@@ -237,7 +283,7 @@ class RelayEndpoint:
                     reason="shutdown",
                     retry_after_s=1.0,
                 )
-            if scope["method"] != "POST":
+            if scope["method"] not in self.methods:
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
             guard = self.guard
             key = guard.authenticate(scope["headers"]) if guard.enabled else None
@@ -247,6 +293,10 @@ class RelayEndpoint:
             policy = gw.policy
             call = self._make_call(policy, raw, headers, request_id, received_at)
             call.query = scope.get("query_string", b"")
+            call.method = scope["method"]
+            if self.path == RESPONSES_BY_ID:
+                call.path = scope["path"]
+                self._pin(call, stored_response_id(scope["path"]))
             if gw.tracer is not None:
                 gw.tracer.request_started(call)
             if key is not None:
@@ -273,9 +323,9 @@ class RelayEndpoint:
                 accesslog.write_refusal(
                     self.path, err.status, request_id, err.message, now() - received_at, time.time()
                 )
-                await send_error(send, err, request_id)
+                await send_error(send, err, request_id, dialect=self.dialect)
             elif not call.started:  # admitted, then failed: the key's limits still apply
-                await send_error(send, err, request_id, call.extra_headers)
+                await send_error(send, err, request_id, call.extra_headers, self.dialect)
         except ClientGone:
             pass
         except asyncio.CancelledError:
@@ -298,6 +348,7 @@ class RelayEndpoint:
                     internal_error(),
                     request_id,
                     call.extra_headers if call is not None else (),
+                    self.dialect,
                 )
         finally:
             gw.active_requests -= 1
@@ -339,7 +390,8 @@ class RelayEndpoint:
             self.check(body)
             model = body.get("model")
             stream = validate.wants_stream(body)
-            wants_usage = stream and validate.wants_usage(body)
+            # Messages and Responses streams always carry their usage.
+            wants_usage = stream and (self.kind in _USAGE_ALWAYS or validate.wants_usage(body))
             profile = profile_request(body, self.kind, gw.estimator, gw.max_prefix_chars)
             lane = match_lane(profile, policy.lanes).lane
         else:
@@ -358,7 +410,7 @@ class RelayEndpoint:
             and any(r.models for r in fleet.replicas())
         ):
             raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
-        return Call(
+        call = Call(
             request_id=request_id,
             kind=self.kind,
             path=self.path,
@@ -371,11 +423,28 @@ class RelayEndpoint:
             wants_usage=wants_usage,
             received_at=received_at,
             fields=fields,
+            dialect=self.dialect,
         )
+        if fields is not None and self.kind == "responses":
+            previous = fields.get("previous_response_id")
+            if previous is not None:
+                self._pin(call, previous)
+        return call
+
+    def _pin(self, call: Call, response_id: str) -> None:
+        """Send ``call`` to the one replica holding ``response_id``; an id the gateway does not
+        know, or whose replica left the fleet, gets the 404 vLLM gives for an unknown id (any
+        other replica would answer without the conversation, or with that same 404)."""
+        url = self.gw.relay.homes.home_of(response_id)
+        if url is None or not any(r.url == url for r in self.gw.fleet.replicas()):
+            raise NotFound(unknown_response_message(response_id), code=404)
+        call.pinned = url
 
 
 __all__ = [
+    "PASSTHROUGH_GET_PATHS",
     "PASSTHROUGH_PATHS",
+    "RESPONSES_BY_ID",
     "EndpointParts",
     "RelayEndpoint",
     "forwarding_headers",

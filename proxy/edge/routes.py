@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,7 +26,14 @@ from starlette.types import Message, Receive, Scope, Send
 
 from proxy.edge.admin import AdminGateway, admin_routes
 from proxy.edge.auth import Guard
-from proxy.edge.endpoint import PASSTHROUGH_PATHS, EndpointParts, RelayEndpoint, request_id_from
+from proxy.edge.endpoint import (
+    PASSTHROUGH_GET_PATHS,
+    PASSTHROUGH_PATHS,
+    RESPONSES_BY_ID,
+    EndpointParts,
+    RelayEndpoint,
+    request_id_from,
+)
 from proxy.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -141,9 +149,17 @@ class GatewayApp:
         self.fast: dict[str, Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             "/v1/chat/completions": RelayEndpoint(gateway, guard, "/v1/chat/completions", "chat"),
             "/v1/completions": RelayEndpoint(gateway, guard, "/v1/completions", "completion"),
+            "/v1/messages": RelayEndpoint(gateway, guard, "/v1/messages", "messages"),
+            "/v1/responses": RelayEndpoint(gateway, guard, "/v1/responses", "responses"),
         }
         for path in PASSTHROUGH_PATHS:
             self.fast[path] = RelayEndpoint(gateway, guard, path, "other")
+        for path, methods in PASSTHROUGH_GET_PATHS.items():
+            self.fast[path] = RelayEndpoint(gateway, guard, path, "other", methods)
+        self.by_response_id = RelayEndpoint(
+            gateway, guard, RESPONSES_BY_ID, "other", ("GET", "POST")
+        )
+        self._cors: tuple[list[str], CORSMiddleware] | None = None
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -168,7 +184,30 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            handler = self.fast.get(scope["path"])
+            origins = self.gateway.policy.server.cors_allowed_origins
+            if origins:
+                await self._cors_for(origins)(scope, receive, send)
+                return
+        await self._dispatch(scope, receive, send)
+
+    def _cors_for(self, origins: list[str]) -> CORSMiddleware:
+        """Starlette's CORS middleware, as vLLM's api_server configures it (any method and
+        header, no credentials), for the current policy's origins (rebuilt after a reload
+        changes them)."""
+        cached = self._cors
+        if cached is None or cached[0] is not origins:
+            cors = CORSMiddleware(
+                self._dispatch, allow_origins=origins, allow_methods=["*"], allow_headers=["*"]
+            )
+            cached = self._cors = (origins, cors)
+        return cached[1]
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            handler = self.fast.get(path)
+            if handler is None and path.startswith(RESPONSES_BY_ID):
+                handler = self.by_response_id
             if handler is not None:
                 await handler(scope, receive, send)
                 return

@@ -97,6 +97,37 @@ def check_completion(body: dict[str, Any]) -> None:
     _common(body)
 
 
+def check_messages(body: dict[str, Any]) -> None:
+    """An Anthropic Messages body: ``messages`` and ``max_tokens`` are required there."""
+    check_chat(body)
+    if body.get("max_tokens") is None:
+        raise BadRequest("`max_tokens` is required", param="max_tokens")
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise BadRequest("`system` must be a string or a list of text blocks", param="system")
+    thinking = body.get("thinking")
+    if thinking is not None and not isinstance(thinking, dict):
+        raise BadRequest("`thinking` must be an object", param="thinking")
+
+
+def check_responses(body: dict[str, Any]) -> None:
+    """A Responses body: ``input`` is a string or a list of items (it may be left out only
+    where a previous response carries the conversation on)."""
+    value = body.get("input")
+    if value is None and body.get("previous_response_id") is None:
+        raise BadRequest("`input` is required", param="input")
+    if value is not None and not isinstance(value, (str, list)):
+        raise BadRequest("`input` must be a string or a list of input items", param="input")
+    prev = body.get("previous_response_id")
+    if prev is not None and not isinstance(prev, str):
+        raise BadRequest("`previous_response_id` must be a string", param="previous_response_id")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("`instructions` must be a string", param="instructions")
+    _int_field(body, "max_output_tokens", 1)
+    _common(body)
+
+
 def wants_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
 

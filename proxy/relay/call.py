@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.errors import Dialect
 from proxy.fleet.fleet import Replica
 from proxy.relay.retry import Phase
 
@@ -23,7 +24,7 @@ class Call:
     """One client request on its way through the gateway: what came in and what happened."""
 
     request_id: str
-    kind: str  # chat | completion | other
+    kind: str  # chat | completion | messages | responses | other
     path: str
     body: bytes
     headers: list[tuple[bytes, bytes]]
@@ -34,6 +35,12 @@ class Call:
     wants_usage: bool
     received_at: float
     query: bytes = b""
+    method: str = "POST"  # GET only on pass-through paths vLLM serves with GET
+    # Whose shapes the gateway's own errors take on this path (``errors.dialect_of``).
+    dialect: Dialect = Dialect.OPENAI
+    # The one replica (its URL) that can answer: it holds the stored response the request
+    # names (``relay.homes``). None: any replica of the lane's pools.
+    pinned: str | None = None
     # The body as the edge parsed it (chat and completions), for what reads its fields later
     # (continuation's eligibility) without parsing it again.
     fields: dict[str, Any] | None = None

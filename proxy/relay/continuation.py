@@ -47,6 +47,7 @@ class Refusal(StrEnum):
     BUSY = "busy"  # no re-prefill slot freed within continuation.start_timeout_s
     CLIENT_ERROR = "client_error"  # an in-band error below 500: the request's fault
     MALFORMED = "malformed"  # a chunk that is not JSON: the ids can no longer be trusted
+    API = "api"  # a Messages or Responses stream: only chat and completions are spliced
 
 
 class Trigger(StrEnum):
@@ -91,6 +92,8 @@ def eligibility(
     """None when a streamed request can be continued token-exact, else why not."""
     if not enabled:
         return Refusal.DISABLED
+    if kind != "chat" and kind != "completion":
+        return Refusal.API
     for key in ("n", "best_of"):
         v = body.get(key)
         if v is not None and v != 1:
@@ -169,6 +172,7 @@ _REFUSAL_WHY = {
     Refusal.LOGPROBS: "logprobs asked",
     Refusal.STOP: "stop strings (matched on text, which a seam could split)",
     Refusal.CONTENT: "a non-text message part, a batch prompt or echo",
+    Refusal.API: "a Messages or Responses stream (their typed events are not spliced yet)",
     Refusal.SEEDED: "seeded with temperature > 0 under continuation.refuse_when_seeded",
     Refusal.USAGE_STATS: "stream_options.continuous_usage_stats",
     Refusal.REASONING: "the seam falls inside reasoning",

@@ -45,6 +45,7 @@ from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
+from proxy.relay.homes import ResponseHomes
 from proxy.relay.resume import Resumer
 from proxy.relay.retry import (
     Action,
@@ -116,9 +117,11 @@ class Relay:
         metrics: Metrics,
         policy: Callable[[], Policy],
         tracer: Tracer | None = None,
+        homes: ResponseHomes | None = None,
     ) -> None:
         """``policy`` is a getter: a reload swaps the policy, and each request reads the one
-        current when it starts."""
+        current when it starts. ``homes`` learns where each stored response lives."""
+        self.homes = homes if homes is not None else ResponseHomes()
         self.admission = admission
         self.fleet = fleet
         self.metrics = metrics
@@ -190,10 +193,16 @@ class Relay:
 
     def try_pick(self, call: Call) -> Replica | None:
         """A replica of the lane's pool, else of its ``spill_to`` pool, that can take the
-        request now: healthy, serving the model, below its limit, not tried yet."""
+        request now: healthy, serving the model, below its limit, not tried yet. A pinned
+        request (``Call.pinned``) has one replica or none."""
         lane = call.lane
         fleet = self.fleet
         has_room = self.admission.has_room  # counts slots handed to queued requests
+        if call.pinned is not None:
+            home = self._pinned_candidate(call)
+            if home is None or not has_room(home) or home in call.tried:
+                return None
+            return home
         for pool_name in (lane.pool, lane.spill_to):
             # A request keeps the lane it started with; a reload may have removed its pool.
             if pool_name is None:
@@ -232,11 +241,21 @@ class Relay:
 
     def any_serving(self, call: Call) -> bool:
         fleet = self.fleet
+        if call.pinned is not None:
+            return self._pinned_candidate(call) is not None
         lane = call.lane
         pools = fleet.pools
         return any(
             pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p in pools
         )
+
+    def _pinned_candidate(self, call: Call) -> Replica | None:
+        """The replica ``call`` is pinned to, while it is one its pool would pick from."""
+        for pool in self.fleet.pools.values():
+            for replica in pool.candidates(call.model):
+                if replica.url == call.pinned:
+                    return replica
+        return None
 
     # -- the request -----------------------------------------------------------------------
 
@@ -358,13 +377,15 @@ class Relay:
         else:
             cached = self._urls.get((replica.url, call.path))
             if cached is None:
-                cached = self._urls[(replica.url, call.path)] = httpx.URL(replica.url + call.path)
+                cached = httpx.URL(replica.url + call.path)
+                if call.pinned is None:  # not a path with an id in it: one of a few
+                    self._urls[(replica.url, call.path)] = cached
             url = cached
         # Built directly, with the body as a ready stream: a fifth of the cost of
         # ``content=`` (which copies headers twice to add Host and Content-Length; the
         # transport adds both from the URL and the bytes) and of client.build_request().
         return httpx.Request(
-            "POST",
+            call.method,
             url,
             stream=httpx.ByteStream(call.body),
             headers=self._upstream_headers(call, replica),
@@ -428,7 +449,7 @@ class Relay:
                     if not call.started:
                         raise self._shutting_down(call) from None
                     if call.stream:
-                        event = sse_error_event(self._shutting_down(call))
+                        event = sse_error_event(self._shutting_down(call), call.dialect)
                         await send(
                             {"type": "http.response.body", "body": event, "more_body": False}
                         )
@@ -567,6 +588,8 @@ class Relay:
                 answer = sse.decode_json(body)
                 call.usage = sse.usage_of(answer)
                 call.finish_reasons = sse.finish_reasons_of(answer)
+                if call.kind == "responses":
+                    self._remember(answer, attempt.replica)
         call.started = True
         attempt.phase = Phase.CONTENT
         await self._send_start(
@@ -627,6 +650,7 @@ class Relay:
         events = sse.EventBuffer()
         found = False
         ended = False
+        learn = call.kind == "responses"  # its response.created names the stored response
         # Hold everything until the first chunk with content (or the end of the stream), under
         # the attempt's first-token watchdog.
         async for chunk in chunks:
@@ -648,6 +672,8 @@ class Relay:
                 if sse.carries_content(obj):
                     found = True
                     break
+                if learn and self._remember(obj, attempt.replica):
+                    learn = False
             if found or ended:
                 break
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
@@ -671,6 +697,9 @@ class Relay:
         # tracing, its finish reasons; nothing is kept otherwise.
         keep_tail = call.wants_usage or self.tracer is not None
         tail = body[-2048:] if keep_tail else b""
+        # A Responses stream's usage is in its last event, which repeats the whole answer:
+        # only the whole stream is sure to hold that event's start (kept as parts, joined once).
+        whole: list[bytes] | None = [body] if call.kind == "responses" else None
         itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
         if not ended:
             async for chunk in chunks:
@@ -686,13 +715,27 @@ class Relay:
                 t = t2
                 call.content_chunks += 1
                 if keep_tail:
-                    tail = (tail + chunk)[-2048:]
+                    if whole is None:
+                        tail = (tail + chunk)[-2048:]
+                    else:
+                        whole.append(chunk)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if whole is not None:
+            tail = b"".join(whole)
         if tail:
             if call.wants_usage:
                 call.usage = sse.last_usage(tail)
             if self.tracer is not None:
                 call.finish_reasons = sse.last_finish_reasons(tail)
+
+    def _remember(self, answer: Any, replica: Replica) -> bool:
+        """Learn where a created response lives, from its object or a stream's
+        ``response.created`` event; True when it named one."""
+        rid = sse.response_id(answer)
+        if rid is None:
+            return False
+        self.homes.remember(rid, replica.url)
+        return True
 
     @staticmethod
     async def _send_start(
@@ -734,7 +777,7 @@ class Relay:
         await send(
             {
                 "type": "http.response.body",
-                "body": sse_error_event(StreamCut(message)),
+                "body": sse_error_event(StreamCut(message), call.dialect),
                 "more_body": False,
             }
         )

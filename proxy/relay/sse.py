@@ -91,13 +91,49 @@ def parse_event(event: bytes) -> Any:
         return None
 
 
+# Typed events (Anthropic Messages, OpenAI Responses) that carry generated content: text,
+# tool-call input, reasoning, audio. Anthropic's deltas are ``content_block_delta`` events
+# whose ``delta`` holds the text (``text``, ``partial_json``, ``thinking``).
+_CONTENT_EVENTS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.function_call_arguments.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.refusal.delta",
+        "response.audio.delta",
+        "response.audio.transcript.delta",
+        "response.custom_tool_call_input.delta",
+        "response.mcp_call_arguments.delta",
+        "response.code_interpreter_call_code.delta",
+    }
+)
+_ANTHROPIC_DELTA_KEYS = ("text", "partial_json", "thinking")
+# Typed events that end a stream as failed before any content.
+_ERROR_EVENTS = frozenset({"error", "response.failed"})
+
+
+def _typed_content(obj: dict[str, Any]) -> bool:
+    etype = obj.get("type")
+    if etype == "content_block_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict):
+            return any(delta.get(key) for key in _ANTHROPIC_DELTA_KEYS)
+        return False
+    if etype in _CONTENT_EVENTS:
+        return bool(obj.get("delta"))
+    return False
+
+
 def carries_content(obj: Any) -> bool:
-    """True when a chunk carries text, a tool call or audio: the moment TTFT is measured."""
+    """True when a chunk carries text, a tool call or audio: the moment TTFT is measured.
+    Chat and completions chunks carry it in ``choices``; the typed events of the Messages and
+    Responses APIs by their ``type``."""
     if not isinstance(obj, dict):
         return False
     choices = obj.get("choices")
     if not isinstance(choices, list):
-        return False
+        return "type" in obj and _typed_content(obj)
     for choice in choices:
         if not isinstance(choice, dict):
             continue
@@ -113,15 +149,49 @@ def carries_content(obj: Any) -> bool:
 
 
 def is_error(obj: Any) -> bool:
-    return isinstance(obj, dict) and "error" in obj and "choices" not in obj
+    """An error event: vLLM's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``,
+    a Responses stream's ``error`` or ``response.failed``."""
+    if not isinstance(obj, dict) or "choices" in obj:
+        return False
+    return "error" in obj or obj.get("type") in _ERROR_EVENTS
 
 
 def usage_of(obj: Any) -> dict[str, Any] | None:
-    if isinstance(obj, dict):
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage
-    return None
+    """An answer's (or event's) ``usage`` in chat's words (``prompt_tokens``,
+    ``completion_tokens``): Messages and Responses count ``input_tokens`` and
+    ``output_tokens``, a Responses event nests it in its ``response``, and a Messages stream
+    sends it in ``message_delta`` (and the prompt's in ``message_start``'s ``message``)."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        inner = obj.get("response") or obj.get("message")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    if "output_tokens" in usage and "completion_tokens" not in usage:
+        out = usage.get("output_tokens")
+        return {
+            **usage,
+            "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": out,
+            "total_tokens": (usage.get("input_tokens") or 0) + (out or 0),
+        }
+    return usage
+
+
+def response_id(obj: Any) -> str | None:
+    """The id of a created Responses-API response: the answer's own, or the one a stream's
+    ``response.created`` event carries."""
+    if not isinstance(obj, dict):
+        return None
+    if obj.get("object") == "response":
+        rid = obj.get("id")
+    elif obj.get("type") == "response.created" and isinstance(obj.get("response"), dict):
+        rid = obj["response"].get("id")
+    else:
+        return None
+    return rid if isinstance(rid, str) and rid else None
 
 
 def finish_reasons_of(obj: Any) -> list[str]:
@@ -164,8 +234,14 @@ def last_usage(tail: bytes) -> dict[str, Any] | None:
 
 
 def error_message(obj: Any) -> str:
-    """The message of an error event's object (``{"error": {...}}``), at most 200 chars."""
-    err = obj.get("error") if isinstance(obj, dict) else None
+    """The message of an error event's object (``{"error": {...}}``, a Responses ``error``
+    event's own ``message``, a ``response.failed``'s ``response.error``), at most 200 chars."""
+    if not isinstance(obj, dict):
+        return str(obj)[:200]
+    err = obj.get("error")
+    if err is None:
+        inner = obj.get("response")
+        err = inner.get("error") if isinstance(inner, dict) else obj
     if isinstance(err, dict):
         return str(err.get("message", ""))[:200]
     return str(err)[:200]

@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 from proxy.config import LaneConfig, Policy
 from proxy.routing.tokens import TokenCounter
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "messages", "responses"]
 
 
 # Chat templates wrap each message in a few special tokens (ChatML: "<|im_start|>role\n...
@@ -50,6 +50,13 @@ AUDIO_URL_TOKENS = 30 * AUDIO_TOKENS_PER_S
 # without decoding it, and a low guess would put it on a latency lane.
 VIDEO_IMAGES = 8
 
+_KINDS: dict[str, Kind] = {
+    "chat": "chat",
+    "completion": "completion",
+    "messages": "messages",
+    "responses": "responses",
+}
+_CHAT_LIKE = frozenset({"chat", "messages", "responses"})
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds"})
 _AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
 _VIDEO_PARTS = frozenset({"video_url", "video"})
@@ -262,10 +269,132 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+def _block_parts(content: Any) -> Any:
+    """Anthropic content blocks / Responses content parts as chat parts: what carries text
+    becomes a text part (tool inputs as their JSON, as a chat template renders them), images
+    stay images, anything else is kept for the chat walk to skip."""
+    if type(content) is not list:
+        return content
+    parts: list[Any] = []
+    for block in content:
+        if type(block) is not dict:
+            parts.append(block)
+            continue
+        btype = block.get("type")
+        if btype == "tool_use" or btype == "server_tool_use":
+            parts.append({"type": "text", "text": _dump(block.get("input"))})
+        elif btype == "tool_result":
+            inner = _block_parts(block.get("content"))
+            if type(inner) is str:
+                parts.append({"type": "text", "text": inner})
+            elif type(inner) is list:
+                parts.extend(inner)
+        elif btype == "thinking":
+            parts.append({"type": "text", "text": block.get("thinking")})
+        else:
+            parts.append(block)  # text, input_text, output_text carry "text"; images counted
+    return parts
+
+
+def _dump(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages body as the chat body vLLM renders it into: ``system`` first,
+    content blocks as parts; output is ``max_tokens`` plus any thinking budget."""
+    messages: list[Any] = []
+    system = body.get("system")
+    if system is not None:
+        messages.append({"role": "system", "content": _block_parts(system)})
+    for msg in body.get("messages") or ():
+        if type(msg) is dict:
+            messages.append({"role": msg.get("role"), "content": _block_parts(msg.get("content"))})
+    view: dict[str, Any] = {"messages": messages, "tools": body.get("tools")}
+    max_tokens = body.get("max_tokens")
+    thinking = body.get("thinking")
+    if type(max_tokens) is int and type(thinking) is dict:
+        budget = thinking.get("budget_tokens")
+        if type(budget) is int and budget > 0:
+            max_tokens += budget
+    view["max_tokens"] = max_tokens
+    return view
+
+
+def _responses_item(item: Any) -> dict[str, Any] | None:
+    """One Responses input item as a chat message (None: nothing to count)."""
+    if type(item) is str:
+        return {"role": "user", "content": item}
+    if type(item) is not dict:
+        return None
+    itype = item.get("type")
+    if itype is None or itype == "message":
+        return {"role": item.get("role"), "content": _block_parts(item.get("content"))}
+    if itype == "function_call_output":
+        output = item.get("output")
+        return {"role": "tool", "content": output if type(output) is str else _dump(output)}
+    if itype == "function_call":
+        return {"role": "assistant", "content": f"{item.get('name')}({item.get('arguments')})"}
+    if itype == "reasoning":
+        summary = item.get("summary")
+        return {"role": "assistant", "content": _block_parts(summary)}
+    return None
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses body as the chat body it renders into: ``instructions`` as the system
+    message, then ``input`` (a string, or items: messages, tool calls and outputs). The
+    conversation a ``previous_response_id`` names lives on its replica and is not counted."""
+    messages: list[Any] = []
+    instructions = body.get("instructions")
+    if type(instructions) is str:
+        messages.append({"role": "system", "content": instructions})
+    value = body.get("input")
+    items = [value] if type(value) is str else value if type(value) is list else []
+    for item in items:
+        msg = _responses_item(item)
+        if msg is not None:
+            messages.append(msg)
+    return {
+        "messages": messages,
+        "tools": body.get("tools"),
+        "max_tokens": body.get("max_output_tokens"),
+    }
+
+
+_ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "document"})
+
+
+def guess_kind(body: dict[str, Any]) -> Kind:
+    """Which API a body was written for, from its fields (``tokenlane explain`` without
+    ``--kind``): Responses by ``input`` / ``instructions`` / ``previous_response_id``,
+    completions by ``prompt``, Anthropic Messages by a top-level ``system`` or its own block
+    types, else chat."""
+    if "input" in body or "instructions" in body or "previous_response_id" in body:
+        return "responses"
+    if "prompt" in body and "messages" not in body:
+        return "completion"
+    if "system" in body:
+        return "messages"
+    for msg in body.get("messages") or ():
+        content = msg.get("content") if type(msg) is dict else None
+        if type(content) is list and any(
+            type(b) is dict and (b.get("type") in _ANTHROPIC_BLOCKS or "source" in b)
+            for b in content
+        ):
+            return "messages"
+    return "chat"
+
+
 def profile_request(
     body: dict[str, Any], kind: str, estimator: Rates, max_prefix_chars: int
 ) -> Profile:
-    """Profile a validated chat (``kind="chat"``) or completions (``"completion"``) body.
+    """Profile a validated chat (``kind="chat"``), completions (``"completion"``), Anthropic
+    Messages (``"messages"``) or Responses (``"responses"``) body; the last two are profiled
+    as the chat body vLLM renders them into (``messages_as_chat``, ``responses_as_chat``).
 
     Odd values the validator let through (non-string parts, unknown part types) are skipped:
     what is countable is counted, nothing raises. ``max_prefix_chars`` bounds the head; give
@@ -282,9 +411,14 @@ def profile_request(
     texts: list[str] | None = [] if counter is not None else None
     images = audios = videos = 0
     batch = 1
-    if kind == "chat":
+    view = body
+    if kind == "messages":
+        view = messages_as_chat(body)
+    elif kind == "responses":
+        view = responses_as_chat(body)
+    if kind in _CHAT_LIKE:
         chars, nmsg, images, audios, audio_tokens, videos, head = _profile_chat(
-            body, max_prefix_chars, texts
+            view, max_prefix_chars, texts
         )
         fixed = (
             MESSAGE_OVERHEAD_TOKENS * nmsg
@@ -297,14 +431,17 @@ def profile_request(
         text_prompts = batch if chars else 0
         fixed = exact + COMPLETION_PROMPT_OVERHEAD_TOKENS * text_prompts
     else:
-        raise ValueError(f"unknown request kind {kind!r}; expected 'chat' or 'completion'")
+        raise ValueError(
+            f"unknown request kind {kind!r}; expected 'chat', 'completion', 'messages' or"
+            " 'responses'"
+        )
     if counter is not None and texts is not None:
         text_tokens = counter.count(texts)
     else:
         text_tokens = math.ceil(chars / estimator.ratio(model))
-    max_tokens = _max_tokens(body)
+    max_tokens = _max_tokens(view)
     return Profile(
-        kind="chat" if kind == "chat" else "completion",  # narrowed: any other kind raised above
+        kind=_KINDS[kind],  # narrowed: any other kind raised above
         model=model,
         stream=body.get("stream") is True,
         prompt_chars=chars,
