@@ -28,6 +28,7 @@ from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
 from proxy.observe.tracing import from_environ as tracer_from_environ
 from proxy.policyfile import load_policy
+from proxy.relay.homes import ResponseHomes
 from proxy.relay.relay import Relay, make_client
 from proxy.routing.admission import Admission
 from proxy.routing.estimate import Estimator
@@ -91,6 +92,7 @@ class Gateway:
             metrics=self.metrics,
             policy=lambda: self.policy,
             tracer=self.tracer,
+            homes=ResponseHomes(shared=self.shared),
         )
         self.health = HealthMonitor(
             self.fleet, lambda: self.policy, self.health_client, self.metrics

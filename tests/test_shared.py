@@ -794,3 +794,39 @@ def test_fleet_view_counts_a_leaving_replicas_in_flight_once() -> None:
     fleet.apply(policy)
     assert r2 in fleet.leaving
     assert view.in_flight() == {U2: 2}
+
+
+# ---------------------------------------------------------------------------- stored responses
+
+
+async def test_a_stored_responses_home_learned_by_one_instance_is_found_by_the_other(
+    redis_server: RedisServer,
+) -> None:
+    from proxy.relay.homes import ResponseHomes
+
+    async with (
+        instance(redis_server, name="a") as (a, _),
+        instance(redis_server, name="b") as (
+            b,
+            _,
+        ),
+    ):
+        homes_a = ResponseHomes(shared=a, ttl_s=60)
+        homes_b = ResponseHomes(shared=b, ttl_s=60)
+        assert await homes_b.lookup("resp_1") is None  # nobody knows it yet
+        homes_a.remember("resp_1", U1)
+        # Written in the background: b finds it once a's write loop has run.
+        found: list[str | None] = []
+
+        async def b_finds_it() -> bool:
+            found.append(await homes_b.lookup("resp_1"))
+            return found[-1] == U1
+
+        await wait_until(b_finds_it, what="b found a's response home")
+        assert homes_b.home_of("resp_1") == U1  # kept locally from then on
+        ttl = await a._redis.ttl("tokenlane:resp:resp_1")
+        assert 0 < ttl <= 60
+    async with instance(redis_server, name="c") as (c, _):
+        redis_server.kill()
+        # A lookup while Redis is gone (breaker closed or open): a miss, never an error.
+        assert await ResponseHomes(shared=c).lookup("resp_1") is None

@@ -296,7 +296,11 @@ class RelayEndpoint:
             call.method = scope["method"]
             if self.path == RESPONSES_BY_ID:
                 call.path = scope["path"]
-                self._pin(call, stored_response_id(scope["path"]))
+                await self._pin(call, stored_response_id(scope["path"]))
+            elif call.fields is not None and self.kind == "responses":
+                previous = call.fields.get("previous_response_id")
+                if previous is not None:
+                    await self._pin(call, previous)
             if gw.tracer is not None:
                 gw.tracer.request_started(call)
             if key is not None:
@@ -410,7 +414,7 @@ class RelayEndpoint:
             and any(r.models for r in fleet.replicas())
         ):
             raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
-        call = Call(
+        return Call(
             request_id=request_id,
             kind=self.kind,
             path=self.path,
@@ -425,17 +429,12 @@ class RelayEndpoint:
             fields=fields,
             dialect=self.dialect,
         )
-        if fields is not None and self.kind == "responses":
-            previous = fields.get("previous_response_id")
-            if previous is not None:
-                self._pin(call, previous)
-        return call
 
-    def _pin(self, call: Call, response_id: str) -> None:
+    async def _pin(self, call: Call, response_id: str) -> None:
         """Send ``call`` to the one replica holding ``response_id``; an id the gateway does not
         know, or whose replica left the fleet, gets the 404 vLLM gives for an unknown id (any
         other replica would answer without the conversation, or with that same 404)."""
-        url = self.gw.relay.homes.home_of(response_id)
+        url = await self.gw.relay.homes.lookup(response_id)
         if url is None or not any(r.url == url for r in self.gw.fleet.replicas()):
             raise NotFound(unknown_response_message(response_id), code=404)
         call.pinned = url

@@ -7,8 +7,9 @@ conversation lost its history. The relay learns each response's id from the answ
 creates it (``remember``) and the edge pins requests that name one (``home_of``).
 
 Bounded (``max_entries``, oldest dropped first) and aged (``ttl_s`` from the last use): an id
-the gateway no longer knows is answered 404 the way vLLM answers an unknown id. The map is per
-gateway process; instances sharing Redis do not share it (yet).
+the gateway no longer knows is answered 404 the way vLLM answers an unknown id. Instances that
+share Redis share the map (``SharedState.share_response_home``): an id this instance does not
+know is looked up there once (``lookup``), so a conversation may go on through any instance.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+
+from proxy.state.protocol import SharedState
 
 DEFAULT_MAX_ENTRIES = 100_000
 DEFAULT_TTL_S = 24 * 3600.0
@@ -29,7 +32,9 @@ class ResponseHomes:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         ttl_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedState | None = None,
     ) -> None:
+        self.shared = shared
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.clock = clock
@@ -38,7 +43,9 @@ class ResponseHomes:
     def __len__(self) -> int:
         return len(self._homes)
 
-    def remember(self, response_id: str, url: str) -> None:
+    def remember(self, response_id: str, url: str, *, share: bool = True) -> None:
+        if share and self.shared is not None:
+            self.shared.share_response_home(response_id, url, self.ttl_s)
         homes = self._homes
         homes[response_id] = (url, self.clock())
         homes.move_to_end(response_id)
@@ -58,6 +65,16 @@ class ResponseHomes:
             return None
         self._homes[response_id] = (url, now)
         self._homes.move_to_end(response_id)
+        return url
+
+    async def lookup(self, response_id: str) -> str | None:
+        """``home_of``, then, for an id this instance does not know, what another instance
+        sharing Redis learned (kept here from then on)."""
+        url = self.home_of(response_id)
+        if url is None and self.shared is not None:
+            url = await self.shared.response_home(response_id)
+            if url is not None:
+                self.remember(response_id, url, share=False)
         return url
 
 

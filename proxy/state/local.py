@@ -34,3 +34,9 @@ class LocalState:
 
     def rate_limiter(self, limits: Callable[[], RateLimitsConfig]) -> RateLimiter:
         return LocalRateLimiter(limits)
+
+    def share_response_home(self, response_id: str, url: str, ttl_s: float) -> None:
+        return None
+
+    async def response_home(self, response_id: str) -> str | None:
+        return None

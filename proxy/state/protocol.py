@@ -65,6 +65,16 @@ class SharedState(Protocol):
 
     def rate_limiter(self, limits: Callable[[], RateLimitsConfig]) -> RateLimiter: ...
 
+    def share_response_home(self, response_id: str, url: str, ttl_s: float) -> None:
+        """A stored response's replica, for the other instances: written in the background;
+        never waits, never raises."""
+        ...
+
+    async def response_home(self, response_id: str) -> str | None:
+        """The replica another instance learned for ``response_id``; None when none did, or
+        shared state is down (one bounded call: only for an id this instance does not know)."""
+        ...
+
 
 def new_instance_id() -> str:
     """Unique per process start: a restarted gateway never inherits its old keys."""

@@ -30,7 +30,10 @@ again, and says so in one log line.
 
 Keys (prefix ``tokenlane``): ``{p}:replicas`` (hash: ``"{pool} {url}"`` → record JSON),
 ``{p}:replicas:changed`` (channel), ``{p}:instances`` (set of instance ids),
-``{p}:inflight:{instance}`` (hash: url → count, ``_at``), ``{p}:rl:{limit}:{key id}`` (bucket).
+``{p}:inflight:{instance}`` (hash: url → count, ``_at``), ``{p}:rl:{limit}:{key id}`` (bucket),
+``{p}:resp:{response id}`` (the URL of the replica holding a stored Responses-API response,
+expiring after the homes' TTL; written in the background, read only for an id the instance
+does not know).
 
 One job, one class, so over the usual module size: ``RedisState``'s loops share its breaker,
 its pending and applied records and its events, and the re-sync runs their steps in an order
@@ -77,6 +80,7 @@ log = logging.getLogger("tokenlane.shared")
 T = TypeVar("T")
 
 RECONCILE_S = 1.0  # full read of the replica records and of the others' load
+MAX_PENDING_HOMES = 10_000  # stored responses' homes waiting to be written
 SUBSCRIBE_POLL_S = 1.0  # a pub/sub read waits this long for a message, then loops
 
 
@@ -111,6 +115,10 @@ class RedisState:
         self._instances_key = f"{prefix}:instances"
         self._inflight_prefix = f"{prefix}:inflight:"
         self._bucket_prefix = f"{prefix}:rl:"
+        self._response_prefix = f"{prefix}:resp:"
+        # Stored responses' homes not yet written (response id → (url, ttl_s)); bounded: while
+        # Redis is down the oldest are dropped (each instance still knows its own).
+        self._homes_pending: dict[str, tuple[str, float]] = {}
         self._up: bool | None = None  # None until the first attempt to join
         self._view: LocalView | None = None
         self._applied: dict[str, float] = {}  # field → updated_at of the newest record applied
@@ -184,6 +192,29 @@ class RedisState:
             record, instance=self.instance, updated_at=0.0, changed_at=changed_at
         )
         self._dirty.set()
+
+    def share_response_home(self, response_id: str, url: str, ttl_s: float) -> None:
+        pending = self._homes_pending
+        pending[response_id] = (url, ttl_s)
+        if len(pending) > MAX_PENDING_HOMES:
+            del pending[next(iter(pending))]
+        self._dirty.set()
+
+    async def response_home(self, response_id: str) -> str | None:
+        if not self._up:
+            return None
+        key = self._response_prefix + response_id
+
+        async def read() -> Any:
+            return await self._redis.get(key)
+
+        try:
+            raw = await self._call(read, "response home")
+        except Unavailable:
+            return None
+        if isinstance(raw, bytes):
+            return raw.decode()
+        return raw if isinstance(raw, str) else None
 
     def remote_in_flight(self, url: str) -> int:
         if not self._up or self._remote_at is None:
@@ -288,6 +319,7 @@ class RedisState:
     # -- replica records -------------------------------------------------------------------
 
     async def _flush(self) -> None:
+        await self._flush_homes()
         for key, record in list(self._pending.items()):
 
             async def write(record: ReplicaRecord = record) -> Any:
@@ -316,6 +348,26 @@ class RedisState:
                 # (the shared count differs from ours): adopt what Redis holds. After an
                 # outage this is how newer transitions made elsewhere beat our pending ones.
                 self._apply(stored, force=True)
+
+    async def _flush_homes(self) -> None:
+        homes, self._homes_pending = self._homes_pending, {}
+        if not homes:
+            return
+
+        async def write() -> Any:
+            async with self._redis.pipeline(transaction=False) as p:
+                for rid, (url, ttl_s) in homes.items():
+                    p.set(self._response_prefix + rid, url, ex=max(1, round(ttl_s)))
+                return await p.execute()
+
+        try:
+            await self._call(write, "response homes")
+        except Unavailable:
+            # Put back what was not written, behind what came meanwhile (bounded as above).
+            self._homes_pending = {**homes, **self._homes_pending}
+            while len(self._homes_pending) > MAX_PENDING_HOMES:
+                del self._homes_pending[next(iter(self._homes_pending))]
+            raise
 
     def _apply(self, record: ReplicaRecord, *, force: bool = False) -> None:
         """Apply a record read from Redis if it is newer and not contradicted by a local
