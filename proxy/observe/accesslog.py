@@ -28,6 +28,7 @@ def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:
         "ts": round(ts, 3),
         "request_id": call.request_id,
         "path": call.path,
+        "api": call.kind,  # chat, completion, messages, responses, other (pass-through)
         "lane": call.lane.name,
         "pool": call.pool,
         "replica": call.replica.name if call.replica is not None else None,
@@ -70,6 +71,7 @@ def refusal_record(
         "ts": round(ts, 3),
         "request_id": request_id,
         "path": path,
+        "api": None,
         "lane": None,
         "pool": None,
         "replica": None,

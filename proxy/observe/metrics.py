@@ -81,6 +81,8 @@ RETRY_REASONS = tuple(RetryReason)
 # recorded under NO_LANE (proxy/edge/auth.py).
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
 NO_LANE = "none"
+# The relayed APIs, as ``Call.kind`` names them (``other``: every pass-through path).
+APIS = ("chat", "completion", "messages", "responses", "other")
 GATEWAY_STATUSES = ("429", "503")  # the gateway's own refusals (rejections, no replica)
 # Per-replica TTFT: coarser than LATENCY_BUCKETS on purpose. Each replica costs
 # len(REPLICA_TTFT_BUCKETS) + 3 series (the buckets, +Inf, _sum, _count): 15 per replica, so a
@@ -112,6 +114,7 @@ def known_label_sets(
     nothing. ``replicas`` are (pool, name, url)."""
     sets: LabelSets = {
         "requests": set(),
+        "api_requests": set(),
         "ejections": set(),
         "retries": set(),
         "rejections": {(NO_LANE, "unauthorized")},
@@ -126,6 +129,7 @@ def known_label_sets(
         pools = {lane.pool, lane.spill_to}
         sets["requests"].update((lane.name, p, n, "200") for p, n, _ in replicas if p in pools)
         sets["requests"].update((lane.name, "", "", s) for s in GATEWAY_STATUSES)
+        sets["api_requests"].update((lane.name, api) for api in APIS)
         sets["retries"].update((lane.name, r) for r in RETRY_REASONS)
         sets["rejections"].update((lane.name, r) for r in LANE_REJECTION_REASONS)
         if lane.spill_to:
@@ -169,6 +173,12 @@ class Metrics:
             "tokenlane_requests",
             "Requests answered, by lane, pool, replica and HTTP status.",
             ["lane", "pool", "replica", "status"],
+            registry=r,
+        )
+        self.api_requests = Counter(
+            "tokenlane_api_requests",
+            "Requests answered, by lane and API (chat, completion, messages, responses, other).",
+            ["lane", "api"],
             registry=r,
         )
         self.ttft = Histogram(

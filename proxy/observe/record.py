@@ -34,6 +34,7 @@ class Recorder:
         pool = call.pool or ""
         replica = call.replica.name if call.replica is not None else ""
         m.series(m.requests, lane, pool, replica, str(call.status)).inc()
+        m.series(m.api_requests, lane, call.kind).inc()
         if call.overhead_s is not None:
             m.series(m.overhead, lane).observe(call.overhead_s)
         if call.pool:
@@ -47,7 +48,9 @@ class Recorder:
         usage = call.usage
         reported = usage.get("prompt_tokens") if usage else None
         profile = call.profile
-        if profile is not None and call.pool:
+        # A request continuing a stored response (``Call.pinned``) is reported with a prompt
+        # its body does not hold: it would teach the estimator a wrong ratio.
+        if profile is not None and call.pool and call.pinned is None:
             # Estimated and reported over the same requests: their ratio is the estimator's
             # error, not the share of requests whose usage came back.
             if isinstance(reported, int) and reported > 0:
