@@ -182,3 +182,22 @@ async def test_an_unknown_stored_response_is_vllms_404(
                 assert resp.status_code == 404
                 assert resp.json()["error"]["message"] == "Response with id 'resp_x' not found."
                 assert up.stats.requests == before  # no replica was asked
+
+
+async def test_requests_are_counted_by_api_and_logged_with_it() -> None:
+    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    async with running(tokens=2) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=10) as client:
+                assert (await client.post(url + "/v1/messages", json=body)).status_code == 200
+                assert (
+                    await client.post(url + "/v1/chat/completions", json=body)
+                ).status_code == 200
+                assert (await client.get(url + "/version")).status_code == 200
+                page = (await client.get(url + "/metrics")).text
+    counts = {
+        line.split('api="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith("tokenlane_api_requests_total{")
+    }
+    assert counts == {"chat": 1, "completion": 0, "messages": 1, "responses": 0, "other": 1}
