@@ -22,6 +22,7 @@ from .generate import Output
 from .generation import Generation
 from .metrics import CONTENT_TYPE
 from .replica import Sim
+from .responses_api import ResponsesRoutes
 from .scheduler import EngineRequest
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's AuthenticationMiddleware
@@ -110,6 +111,7 @@ async def _json_body(request: Request) -> Any:
 
 def build_routes(sim: Sim) -> ASGIApp:
     s = sim.settings
+    responses = ResponsesRoutes(sim, _json_body)  # holds this process's response store
 
     async def generate(request: Request, kind: str) -> Any:
         try:
@@ -252,6 +254,9 @@ def build_routes(sim: Sim) -> ASGIApp:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
         Route("/v1/completions/render", render_completion, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

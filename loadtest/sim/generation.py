@@ -81,21 +81,30 @@ class Generation:
     def _usage_numbers(self) -> tuple[int, int]:
         return sum(self.prompt_lens), sum(r.num_output for r in self.reqs)
 
-    async def _plain(self, send: Send, wake: asyncio.Event, gone: asyncio.Event) -> None:
+    async def _settled(self, wake: asyncio.Event, gone: asyncio.Event) -> str:
+        """Wait until every sequence is done ("done"), one failed ("error") or the client left
+        ("gone"): what a plain (not streamed) response waits for."""
         while True:
             await wake.wait()
             wake.clear()
             if gone.is_set():
                 self.sim.disconnects += 1
-                return
+                return "gone"
             if any(r.error for r in self.reqs):
-                # vLLM's handler for EngineDeadError: a bare 500.
-                await send({"type": "http.response.start", "status": 500, "headers": [
-                    (b"content-length", b"0")]})  # fmt: skip
-                await send({"type": "http.response.body", "body": b""})
-                return
+                return "error"
             if all(r.done for r in self.reqs):
-                break
+                return "done"
+
+    async def _plain(self, send: Send, wake: asyncio.Event, gone: asyncio.Event) -> None:
+        settled = await self._settled(wake, gone)
+        if settled == "gone":
+            return
+        if settled == "error":
+            # vLLM's handler for EngineDeadError: a bare 500.
+            await send({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-length", b"0")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b""})
+            return
         g = self.req
         ids_on = g.sampling.return_token_ids
         choices = []

@@ -178,8 +178,12 @@ def stored_response_id(path: str) -> str:
     return path[len(RESPONSES_BY_ID) :].split("/", 1)[0]
 
 
-def unknown_response_message(response_id: str) -> str:
-    return f"Response with id '{response_id}' not found."
+def unknown_response(response_id: str) -> NotFound:
+    """vLLM's own 404 for a response id it does not hold (tests/fixtures/
+    vllm_responses_error_404.json)."""
+    err = NotFound(f"Response with id '{response_id}' not found.", param="response_id", code=404)
+    err.type = "invalid_request_error"
+    return err
 
 
 def request_id_from(value: bytes | None) -> str:
@@ -436,7 +440,7 @@ class RelayEndpoint:
         other replica would answer without the conversation, or with that same 404)."""
         url = await self.gw.relay.homes.lookup(response_id)
         if url is None or not any(r.url == url for r in self.gw.fleet.replicas()):
-            raise NotFound(unknown_response_message(response_id), code=404)
+            raise unknown_response(response_id)
         call.pinned = url
 
 
