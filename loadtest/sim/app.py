@@ -20,7 +20,9 @@ from . import faults, formats, protocol
 from .faults import FaultError
 from .generate import Output
 from .generation import Generation
+from .messages_api import MessagesRoutes
 from .metrics import CONTENT_TYPE
+from .pooling_api import PoolingRoutes
 from .replica import Sim
 from .responses_api import ResponsesRoutes
 from .scheduler import EngineRequest
@@ -156,6 +158,9 @@ def build_routes(sim: Sim) -> ASGIApp:
     async def completions(request: Request) -> Any:
         return await generate(request, "completion")
 
+    messages = MessagesRoutes(sim, _json_body)  # Anthropic Messages on the chat path
+    pooling = PoolingRoutes(sim, _json_body, chat, completions)  # /invocations dispatches
+
     async def models(request: Request) -> Response:
         return JSONBody(formats.models_response(s.models, sim.created, s.max_model_len))
 
@@ -252,11 +257,25 @@ def build_routes(sim: Sim) -> ASGIApp:
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
         Route("/v1/completions/render", render_completion, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        Route("/v1/chat/completions/batch", pooling.chat_batch, methods=["POST"]),
+        Route("/v1/embeddings", pooling.embeddings, methods=["POST"]),
+        Route("/v2/embed", pooling.cohere_embed, methods=["POST"]),
+        Route("/pooling", pooling.pooling, methods=["POST"]),
+        Route("/classify", pooling.classify, methods=["POST"]),
+        Route("/score", pooling.score, methods=["POST"]),
+        Route("/v1/score", pooling.score, methods=["POST"]),
+        Route("/rerank", pooling.rerank, methods=["POST"]),
+        Route("/v1/rerank", pooling.rerank, methods=["POST"]),
+        Route("/v2/rerank", pooling.rerank, methods=["POST"]),
+        Route("/invocations", pooling.invocations, methods=["POST"]),
+        Route("/tokenizer_info", pooling.tokenizer_info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),
