@@ -200,4 +200,6 @@ async def test_requests_are_counted_by_api_and_logged_with_it() -> None:
         for line in page.splitlines()
         if line.startswith("tokenlane_api_requests_total{")
     }
-    assert counts == {"chat": 1, "completion": 0, "messages": 1, "responses": 0, "other": 1}
+    assert counts == {
+        "chat": 1, "completion": 0, "messages": 1, "responses": 0, "realtime": 0, "other": 1
+    }  # fmt: skip

@@ -30,10 +30,11 @@ from proxy.edge.endpoint import (
     PASSTHROUGH_GET_PATHS,
     PASSTHROUGH_PATHS,
     RESPONSES_BY_ID,
-    EndpointParts,
     RelayEndpoint,
     request_id_from,
 )
+from proxy.edge.realtime import PATH as REALTIME_PATH
+from proxy.edge.realtime import RealtimeEndpoint, RealtimeParts
 from proxy.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -50,7 +51,7 @@ from proxy.observe.outcomes import Outcomes
 log = logging.getLogger("tokenlane")
 
 
-class AppGateway(EndpointParts, AdminGateway, Protocol):
+class AppGateway(RealtimeParts, AdminGateway, Protocol):
     """What the app reads of the gateway (``proxy.gateway.Gateway`` has it all): the parts of
     the relayed endpoints and of the admin API, the door, and the lifecycle."""
 
@@ -160,6 +161,7 @@ class GatewayApp:
             gateway, guard, RESPONSES_BY_ID, "other", ("GET", "POST")
         )
         self._cors: tuple[list[str], CORSMiddleware] | None = None
+        self.realtime = RealtimeEndpoint(gateway, guard)
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -203,6 +205,9 @@ class GatewayApp:
         return cached[1]
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == REALTIME_PATH:
+            await self.realtime(scope, receive, send)
+            return
         if scope["type"] == "http":
             path = scope["path"]
             handler = self.fast.get(path)

@@ -82,7 +82,7 @@ RETRY_REASONS = tuple(RetryReason)
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
 NO_LANE = "none"
 # The relayed APIs, as ``Call.kind`` names them (``other``: every pass-through path).
-APIS = ("chat", "completion", "messages", "responses", "other")
+APIS = ("chat", "completion", "messages", "responses", "realtime", "other")
 GATEWAY_STATUSES = ("429", "503")  # the gateway's own refusals (rejections, no replica)
 # Per-replica TTFT: coarser than LATENCY_BUCKETS on purpose. Each replica costs
 # len(REPLICA_TTFT_BUCKETS) + 3 series (the buckets, +Inf, _sum, _count): 15 per replica, so a
@@ -177,7 +177,8 @@ class Metrics:
         )
         self.api_requests = Counter(
             "tokenlane_api_requests",
-            "Requests answered, by lane and API (chat, completion, messages, responses, other).",
+            "Requests answered, by lane and API (chat, completion, messages, responses, "
+            "realtime, other).",
             ["lane", "api"],
             registry=r,
         )

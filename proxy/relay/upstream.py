@@ -25,6 +25,7 @@ as it arrived, so the subclass keeps those conversions once and reads what the s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import httpx
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
+from multidict import CIMultiDict
 
 from proxy.errors import (
     UpstreamClosed,
@@ -224,6 +226,89 @@ class RelayTransport(AiohttpTransport):
     async def aclose(self) -> None:
         with _mapped(_READING):
             await super().aclose()
+
+
+# -- WebSockets ----------------------------------------------------------------------------------
+
+# A WebSocket handshake that answers something other than 101: the replica refused the upgrade
+# (its status, e.g. 401 or 404) — told apart from not reaching it at all.
+_HANDSHAKE: tuple[tuple[type[BaseException], type[UpstreamError]], ...] = (
+    (aiohttp.WSServerHandshakeError, UpstreamNotHttp),
+    *_SENDING,
+)
+
+
+class UpstreamWebSocket:
+    """One WebSocket to a replica (``/v1/realtime``), in the relay's words: messages are
+    ``("text", str)``, ``("bytes", bytes)`` or ``("close", code)``; failures are
+    ``UpstreamError``. Nothing above this module sees aiohttp's WebSocket types."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self._ws = ws
+
+    @property
+    def protocol(self) -> str | None:
+        """The subprotocol the replica chose, if any."""
+        return self._ws.protocol
+
+    async def send(self, data: str | bytes) -> None:
+        """A text message for a ``str``, a binary one for ``bytes``."""
+        with _mapped(_READING):
+            if isinstance(data, str):
+                await self._ws.send_str(data)
+            else:
+                await self._ws.send_bytes(data)
+
+    async def receive(self) -> tuple[str, str | bytes | int]:
+        with _mapped(_READING):
+            msg = await self._ws.receive()
+        if msg.type is aiohttp.WSMsgType.TEXT:
+            return "text", msg.data
+        if msg.type is aiohttp.WSMsgType.BINARY:
+            return "bytes", msg.data
+        if msg.type is aiohttp.WSMsgType.ERROR:
+            raise UpstreamClosed(root_cause(msg.data) if msg.data else "websocket error")
+        # CLOSE, CLOSING, CLOSED: the replica's close code (1006: gone without one)
+        code = self._ws.close_code
+        return "close", code if code is not None else 1006
+
+    async def close(self, code: int = 1000) -> None:
+        with contextlib.suppress(Exception):
+            await self._ws.close(code=code)
+
+
+async def open_websocket(
+    client: UpstreamClient,
+    url: str,
+    *,
+    headers: list[tuple[bytes, bytes]],
+    protocols: list[str],
+    timeout_s: float,
+) -> UpstreamWebSocket:
+    """Open a WebSocket to ``url`` (``ws://`` from the replica's ``http://``) on the upstream
+    client's own session, with the client's headers; raises ``UpstreamError``."""
+    transport = client.transport
+    session = transport.client
+    if not isinstance(session, aiohttp.ClientSession):
+        session = transport.client = transport.get_client()
+    ws_url = "ws" + url[4:] if url.startswith("http") else url
+    sent = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+    try:
+        async with asyncio.timeout(timeout_s):  # the handshake: connect, upgrade
+            with _mapped(_HANDSHAKE):
+                ws = await session.ws_connect(
+                    ws_url,
+                    headers=sent,
+                    protocols=protocols,
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
+                    autoclose=True,
+                    autoping=True,
+                    compress=0,
+                    max_msg_size=0,
+                )
+    except TimeoutError:
+        raise UpstreamUnreached(f"no WebSocket handshake within {timeout_s:g}s") from None
+    return UpstreamWebSocket(ws)
 
 
 # -- the client -------------------------------------------------------------------------------
