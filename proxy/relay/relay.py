@@ -684,10 +684,13 @@ class Relay:
         body = held[0] if len(held) == 1 else b"".join(held)
         # A stream that ended within the held chunks (one burst) goes out whole, its end in
         # the same write.
+        cut_short = False
         if not ended:
             ended = at_eof(response)
+            # The whole stream in the held reads, without its end: the replica closed early.
+            cut_short = ended and not sse.stream_complete(call.kind, body)
         await self._send_start(
-            call, send, self._response_start(call, response, 200), body, not ended
+            call, send, self._response_start(call, response, 200), body, not ended or cut_short
         )
         t = now()
         if found:
@@ -701,10 +704,12 @@ class Relay:
         # only the whole stream is sure to hold that event's start (kept as parts, joined once).
         whole: list[bytes] | None = [body] if call.kind == "responses" else None
         itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
+        before = last = body  # the last two reads: the stream's end may straddle them
         if not ended:
             async for chunk in chunks:
                 attempt.last_progress = time.monotonic()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                before, last = last, chunk
                 t2 = now()
                 if not found:
                     found = True
@@ -719,7 +724,16 @@ class Relay:
                         tail = (tail + chunk)[-2048:]
                     else:
                         whole.append(chunk)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            cut_short = not sse.stream_complete(call.kind, before[-256:] + last)
+            if not cut_short:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if cut_short:
+            # vLLM always ends a stream with its end event: one that stops without it was cut
+            # (the replica closed early), and the client is told so, never left with a stream
+            # that looks whole.
+            await self._end_stream_with_error(
+                call, send, f"replica {attempt.replica.name} ended the stream early"
+            )
         if whole is not None:
             tail = b"".join(whole)
         if tail:

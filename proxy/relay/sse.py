@@ -148,6 +148,27 @@ def carries_content(obj: Any) -> bool:
     return False
 
 
+# How each API's stream ends when the replica finished it (an error event is an end too).
+_ENDS: dict[str, tuple[bytes, ...]] = {
+    "messages": (b"message_stop", b"event: error"),
+    "responses": (
+        b"response.completed",
+        b"response.incomplete",
+        b"response.failed",
+        b"event: error",
+    ),
+}
+
+
+def stream_complete(kind: str, end: bytes) -> bool:
+    """Whether a stream's last bytes hold its end: ``[DONE]`` for chat and completions, the
+    API's closing event for Messages and Responses. A stream without it was cut short."""
+    markers = _ENDS.get(kind)
+    if markers is None:
+        return end.rstrip().endswith(DONE)
+    return any(m in end for m in markers)
+
+
 def is_error(obj: Any) -> bool:
     """An error event: vLLM's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``,
     a Responses stream's ``error`` or ``response.failed``."""
