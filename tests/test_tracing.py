@@ -276,6 +276,10 @@ def test_the_standard_variables_turn_tracing_on(
         ("other", "/v1/embeddings", "embeddings"),
         ("other", "/v1/rerank", "rerank"),
         ("other", "/tokenize", "tokenize"),
+        ("messages", "/v1/messages", "chat"),
+        ("responses", "/v1/responses", "chat"),
+        ("other", "/v1/responses/resp_1", "responses.retrieve"),
+        ("other", "/v1/responses/resp_1/cancel", "responses.cancel"),
     ],
 )
 def test_operation_names(kind: str, path: str, expected: str) -> None:

@@ -37,7 +37,9 @@ class Recorder:
         m.series(m.api_requests, lane, call.kind).inc()
         if call.overhead_s is not None:
             m.series(m.overhead, lane).observe(call.overhead_s)
-        if call.pool:
+        # A realtime session's length and first message say nothing of a request's latency:
+        # counted, logged, kept out of the lanes' latency histograms.
+        if call.pool and call.kind != "realtime":
             m.series(m.duration, lane, pool).observe(duration)
             if call.ttft_s is not None:
                 m.series(m.ttft, lane, pool).observe(call.ttft_s)

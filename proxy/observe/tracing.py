@@ -41,6 +41,8 @@ _TRACE_HEADER_NAMES = ("traceparent", "tracestate")
 # gen_ai.operation.name by relayed kind or path (the conventions' well-known values).
 _OPERATIONS = {
     "chat": "chat",
+    "messages": "chat",  # Anthropic's Messages API is a chat API
+    "responses": "chat",
     "completion": "text_completion",
     "/v1/embeddings": "embeddings",
 }
@@ -49,7 +51,12 @@ _OPERATIONS = {
 def operation_name(kind: str, path: str) -> str:
     """``gen_ai.operation.name`` for a relayed request: the conventions' value where one
     exists, else the path (rerank, score, tokenize, audio have none)."""
-    return _OPERATIONS.get(kind) or _OPERATIONS.get(path) or path.rsplit("/", 1)[-1]
+    found = _OPERATIONS.get(kind) or _OPERATIONS.get(path)
+    if found is not None:
+        return found
+    if path.startswith("/v1/responses/"):  # by id: no id in a name (its cardinality)
+        return "responses." + ("cancel" if path.endswith("/cancel") else "retrieve")
+    return path.rsplit("/", 1)[-1]
 
 
 def endpoint_from(environ: Mapping[str, str]) -> str | None:
@@ -75,7 +82,7 @@ def request_attributes(call: Call) -> dict[str, Any]:
     """What is known of a request when it arrives (pure: table-tested)."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation_name(call.kind, call.path),
-        "http.request.method": "POST",
+        "http.request.method": call.method,
         "url.path": call.path,
         "tokenlane.request_id": call.request_id,
         "tokenlane.lane": call.lane.name,
