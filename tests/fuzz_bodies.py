@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 PASSTHROUGH = ("/tokenize", "/detokenize", "/v1/embeddings")
 
 
@@ -166,6 +168,107 @@ passthrough_bodies = st.one_of(
     st.fixed_dictionaries({"model": models, "messages": st.lists(messages, max_size=2)}),
 )
 
+# Anthropic Messages: content blocks of its own types, system, tools, thinking.
+anthropic_blocks = st.one_of(
+    text_part,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image"),
+            "source": st.one_of(
+                st.fixed_dictionaries(
+                    {"type": st.just("base64"), "media_type": st.just("image/png"), "data": texts}
+                ),
+                json_values,
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.text(max_size=8),
+            "name": st.text(max_size=8),
+            "input": json_values,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": st.text(max_size=8),
+            "content": st.one_of(texts, st.lists(text_part, max_size=2), json_values),
+        }
+    ),
+    json_values,
+)
+anthropic_messages = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant"]), scalars),
+        "content": st.one_of(texts, st.lists(anthropic_blocks, max_size=3), json_values),
+    }
+)
+messages_bodies = st.fixed_dictionaries(
+    {
+        "model": models,
+        "max_tokens": counts,
+        "messages": st.one_of(st.lists(anthropic_messages, max_size=3), json_values),
+    },
+    optional={
+        "system": st.one_of(texts, st.lists(text_part, max_size=2), json_values),
+        "stream": st.one_of(st.booleans(), scalars),
+        "temperature": floats,
+        "top_p": floats,
+        "top_k": counts,
+        "stop_sequences": stops,
+        "tools": json_values,
+        "thinking": st.one_of(
+            st.fixed_dictionaries({"type": st.just("enabled"), "budget_tokens": counts}),
+            json_values,
+        ),
+        "metadata": json_values,
+    },
+)
+# OpenAI Responses: input as a string or items, instructions, previous_response_id (an id
+# the gateway never saw: its 404).
+responses_items = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": roles,
+            "content": st.one_of(
+                texts,
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.just("input_text"), "text": st.one_of(texts, scalars)}
+                    ),
+                    max_size=2,
+                ),
+                json_values,
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": st.text(max_size=8),
+            "output": st.one_of(texts, json_values),
+        }
+    ),
+    json_values,
+)
+responses_bodies = st.fixed_dictionaries(
+    {
+        "model": models,
+        "input": st.one_of(texts, st.lists(responses_items, max_size=3), json_values),
+    },
+    optional={
+        "instructions": st.one_of(texts, scalars),
+        "max_output_tokens": counts,
+        "stream": st.one_of(st.booleans(), scalars),
+        "temperature": floats,
+        "tools": json_values,
+        "previous_response_id": st.one_of(st.text(max_size=12), scalars),
+        "store": scalars,
+    },
+)
+
 
 def _dumps(body: Any) -> bytes:
     # allow_nan: NaN and Infinity go out as the bare words Python writes (not JSON): a client
@@ -201,10 +304,17 @@ def _corrupt(raw: bytes, op: str, at: int, noise: bytes) -> bytes:
 
 
 def _for_path(path: str) -> st.SearchStrategy[dict[str, Any]]:
-    return {CHAT: chat_bodies, COMPLETIONS: completion_bodies}.get(path, passthrough_bodies)
+    return {
+        CHAT: chat_bodies,
+        COMPLETIONS: completion_bodies,
+        MESSAGES: messages_bodies,
+        RESPONSES: responses_bodies,
+    }.get(path, passthrough_bodies)
 
 
-paths = st.sampled_from([CHAT, CHAT, COMPLETIONS, COMPLETIONS, *PASSTHROUGH])
+paths = st.sampled_from(
+    [CHAT, CHAT, COMPLETIONS, COMPLETIONS, MESSAGES, MESSAGES, RESPONSES, RESPONSES, *PASSTHROUGH]
+)
 content_types = st.one_of(
     st.just("application/json"),
     st.just("application/json"),

@@ -4,7 +4,8 @@ simulated vLLM replicas, over real sockets (``tests/fuzz_bodies.py`` says what i
 Pass means, for every body: an answer (no hang within the client's timeout, no reset); no 5xx
 that the gateway produced itself (the access line's ``error_origin`` tells it from a relayed
 one; the simulator answers bad bodies with vLLM's 4xx, so a relayed 5xx fails too); a stream
-answered 200 ends with ``[DONE]``; one access line per request. After every batch the gateway
+answered 200 ends with its API's end event (``[DONE]``, ``message_stop``, ``response.completed``
+...); one access line per request. After every batch the gateway
 still answers a valid request; at the end no traceback is in its log and its RSS grew by less
 than ``RSS_GROWTH_MB``.
 
@@ -32,8 +33,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from loadtest.procs import process, rss_mb, wait_http
+from proxy.relay import sse
 
-from .fuzz_bodies import CHAT, MODEL, Case, cases
+from .fuzz_bodies import CHAT, MESSAGES, MODEL, RESPONSES, Case, cases
 from .servers import free_ports
 from .waiting import wait_until_sync
 
@@ -179,8 +181,9 @@ def _problems(answers: list[Answer], lines: dict[str, dict[str, Any]]) -> list[s
                 f"{a.status} (origin {line.get('error_origin')}): {a.body[:300]!r} for {a.case!r}"
             )
         is_stream = a.status == 200 and line.get("stream") and a.case.path != "/tokenize"
-        if is_stream and not a.body.rstrip().endswith(b"data: [DONE]"):
-            problems.append(f"stream without [DONE]: {a.body[-200:]!r} for {a.case!r}")
+        kind = {MESSAGES: "messages", RESPONSES: "responses"}.get(a.case.path, "chat")
+        if is_stream and not sse.stream_complete(kind, a.body[-4096:]):
+            problems.append(f"stream without its end: {a.body[-200:]!r} for {a.case!r}")
     return problems
 
 
