@@ -213,8 +213,13 @@ class Rejected(GatewayError):
 
 
 class ShuttingDown(Rejected):
-    """A request that arrived after SIGTERM: not a rejection by admission, so not counted as
-    one; the client should go to another instance."""
+    """A request that arrived after SIGTERM (or was cut by the shutdown): not a rejection by
+    admission, so not counted as one; the client should go to another instance."""
+
+    def __init__(
+        self, message: str = "the gateway is shutting down; retry on another instance"
+    ) -> None:
+        super().__init__(message, status=503, reason="shutdown", retry_after_s=1.0)
 
 
 class UpstreamFailed(GatewayError):

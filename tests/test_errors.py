@@ -94,7 +94,7 @@ def test_moved_classes_keep_their_builtin_bases_and_their_old_import_paths() -> 
         (PolicyRefused(["a: b"]), 422, "UnprocessableEntityError", 422),
         (Rejected("x", status=429, reason="r", retry_after_s=0.2), 429, "RateLimitError", 429),
         (
-            ShuttingDown("x", status=503, reason="shutdown", retry_after_s=1.0),
+            ShuttingDown("x"),
             503,
             "ServiceUnavailableError",
             503,

@@ -281,12 +281,7 @@ class RelayEndpoint:
             headers += forwarding_headers(peer, chain, forwarded, trusted)
             request_id = request_id_from(rid)
             if gw.shutting_down:
-                raise ShuttingDown(
-                    "the gateway is shutting down; retry on another instance",
-                    status=503,
-                    reason="shutdown",
-                    retry_after_s=1.0,
-                )
+                raise ShuttingDown()
             if scope["method"] not in self.methods:
                 raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
             guard = self.guard

@@ -147,12 +147,7 @@ class RealtimeEndpoint:
         admission = relay.admission
         try:
             if gw.shutting_down:
-                raise ShuttingDown(
-                    "the gateway is shutting down; retry on another instance",
-                    status=503,
-                    reason="shutdown",
-                    retry_after_s=1.0,
-                )
+                raise ShuttingDown()
             key = self.guard.authenticate(headers) if self.guard.enabled else None
             if key is not None:
                 self.guard.charge(key, call, gw.policy.estimate.chars_per_token)

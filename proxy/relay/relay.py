@@ -182,12 +182,7 @@ class Relay:
 
     @staticmethod
     def _shutting_down(call: Call) -> ShuttingDown:
-        return ShuttingDown(
-            call.cut or "the gateway is shutting down",
-            status=503,
-            reason="shutdown",
-            retry_after_s=1.0,
-        )
+        return ShuttingDown(call.cut or "the gateway is shutting down")
 
     # -- picking ---------------------------------------------------------------------------
 
