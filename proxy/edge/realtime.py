@@ -25,6 +25,7 @@ from proxy.edge.auth import Guard
 from proxy.edge.endpoint import EndpointParts, request_id_from
 from proxy.errors import (
     GatewayError,
+    NotFound,
     ShuttingDown,
     UpstreamError,
     UpstreamFailed,
@@ -149,6 +150,14 @@ class RealtimeEndpoint:
             if gw.shutting_down:
                 raise ShuttingDown()
             key = self.guard.authenticate(headers) if self.guard.enabled else None
+            fleet = gw.fleet
+            model = call.model
+            if (
+                model is not None
+                and not fleet.serves_model(model)
+                and any(r.models for r in fleet.replicas())
+            ):
+                raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
             if key is not None:
                 self.guard.charge(key, call, gw.policy.estimate.chars_per_token)
             replica = await admission.admit(

@@ -35,6 +35,7 @@ import aiohttp
 import httpx
 from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.errors import (
     UpstreamClosed,
@@ -297,7 +298,7 @@ async def open_websocket(
         async with asyncio.timeout(timeout_s):  # the handshake: connect, upgrade
             with _mapped(_HANDSHAKE):
                 ws = await session.ws_connect(
-                    ws_url,
+                    URL(ws_url, encoded=True),  # the query as the client wrote it
                     headers=sent,
                     protocols=protocols,
                     timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=timeout_s),
