@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 POLICY ?=
 
-.PHONY: run test bench fuzz soak lint venv clean
+.PHONY: run test bench bench-clients fuzz soak lint venv clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,11 @@ bench: venv
 	$(PY) -m loadtest.bench_overhead
 	@for b in loadtest/bench_parse.py loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py loadtest/bench_cache.py; do \
 	  if [ -f $$b ]; then $(PY) -m loadtest.$$(basename $$b .py) || exit 1; fi; done
+
+# inference-perf (installed on first use into its own virtualenv, Python >= 3.12) through the
+# demo in its chat, completion and Anthropic Messages modes; its TTFT against the access log's.
+bench-clients: venv
+	$(PY) -m loadtest.bench_clients
 
 # 10,000 generated bodies through a gateway and two simulators (`make test` sends 500);
 # TOKENLANE_FUZZ_SEED=N for other bodies.
