@@ -544,10 +544,9 @@ class MessagesRoutes:
         call = await self._call(request, count_only=False)
         if isinstance(call, Response):
             return call
-        status = sim.error_rate_hit()
-        if status is not None:
-            message = f"Simulated fault: error_rate (status {status})"
-            return _json(error_body(protocol.error_type(status), message), status)
+        fault = sim.error_rate_error()
+        if fault is not None:
+            return _json(error_body(fault.err_type, fault.message), fault.status)
         if sim.engine.dead is not None:
             # The chat handler raises the engine's death; the Messages router answers it.
             return _json(error_body("internal_error", ENGINE_DEAD_MESSAGE), 500)

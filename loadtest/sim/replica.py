@@ -213,6 +213,14 @@ class Sim:
             return None
         return int(f.params["status"]) if self._rng.random() < float(f.params["rate"]) else None
 
+    def error_rate_error(self) -> protocol.ApiError | None:
+        """``error_rate_hit`` as the error to answer with (its status, vLLM's type)."""
+        status = self.error_rate_hit()
+        if status is None:
+            return None
+        message = f"Simulated fault: error_rate (status {status})"
+        return protocol.ApiError(status, message, protocol.error_type(status))
+
     async def close(self) -> None:
         """Stop everything the replica runs in the background (the app's lifespan ends)."""
         if self._fault_timer is not None:

@@ -602,10 +602,9 @@ class ResponsesRoutes:
             body = await self.json_body(request)
         except protocol.ApiError as exc:
             return _error(exc)
-        status = sim.error_rate_hit()
-        if status is not None:
-            message = f"Simulated fault: error_rate (status {status})"
-            return _error(protocol.ApiError(status, message, protocol.error_type(status)))
+        fault = sim.error_rate_error()
+        if fault is not None:
+            return _error(fault)
         try:
             call = parse(body, s.models, priority_enabled=s.scheduling_policy == "priority")
             if call.background and call.stream:

@@ -173,6 +173,18 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
 _USAGE_ALWAYS = frozenset({"messages", "responses"})
 
 
+def refuse_unknown_model(fleet: Fleet, model: str | None) -> None:
+    """vLLM's 404 for a model no replica serves. Until some replica has told its models,
+    nobody can say a model is unknown: such a request waits for a replica like any other (and
+    gets 503 when there is none)."""
+    if (
+        model is not None
+        and not fleet.serves_model(model)
+        and any(r.models for r in fleet.replicas())
+    ):
+        raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
+
+
 def stored_response_id(path: str) -> str:
     """The response id in ``/v1/responses/{id}[/cancel|/input_items]``."""
     return path[len(RESPONSES_BY_ID) :].split("/", 1)[0]
@@ -404,15 +416,7 @@ class RelayEndpoint:
                     body = validate.parse_json_object(raw)
                     m = body.get("model")
                     model = m if isinstance(m, str) else None
-        # Until some replica has told its models, nobody can say a model is unknown: such a
-        # request waits for a replica like any other (and gets 503 when there is none).
-        fleet = gw.fleet
-        if (
-            model is not None
-            and not fleet.serves_model(model)
-            and any(r.models for r in fleet.replicas())
-        ):
-            raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
+        refuse_unknown_model(gw.fleet, model)
         return Call(
             request_id=request_id,
             kind=self.kind,
@@ -447,6 +451,7 @@ __all__ = [
     "RelayEndpoint",
     "forwarding_headers",
     "read_body",
+    "refuse_unknown_model",
     "request_id_from",
     "without_connection_named",
 ]

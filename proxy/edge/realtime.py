@@ -16,23 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, Protocol
-from urllib.parse import unquote
+from typing import Protocol
+from urllib.parse import parse_qs
 
 from starlette.types import Receive, Scope, Send
 
 from proxy.edge.auth import Guard
-from proxy.edge.endpoint import EndpointParts, request_id_from
+from proxy.edge.endpoint import EndpointParts, refuse_unknown_model, request_id_from
 from proxy.errors import (
     GatewayError,
-    NotFound,
     ShuttingDown,
     UpstreamError,
     UpstreamFailed,
     error_messages,
 )
 from proxy.relay.call import Call
-from proxy.relay.upstream import CONNECT_TIMEOUT_S, UpstreamClient, open_websocket
+from proxy.relay.upstream import (
+    CONNECT_TIMEOUT_S,
+    UpstreamClient,
+    UpstreamWebSocket,
+    open_websocket,
+)
 
 now = time.perf_counter
 PATH = "/v1/realtime"
@@ -150,14 +154,7 @@ class RealtimeEndpoint:
             if gw.shutting_down:
                 raise ShuttingDown()
             key = self.guard.authenticate(headers) if self.guard.enabled else None
-            fleet = gw.fleet
-            model = call.model
-            if (
-                model is not None
-                and not fleet.serves_model(model)
-                and any(r.models for r in fleet.replicas())
-            ):
-                raise NotFound(f"The model `{model}` does not exist.", param="model", code=404)
+            refuse_unknown_model(gw.fleet, call.model)
             if key is not None:
                 self.guard.charge(key, call, gw.policy.estimate.chars_per_token)
             replica = await admission.admit(
@@ -191,7 +188,9 @@ class RealtimeEndpoint:
             admission.released(replica)
             admission.finished(call.lane)
 
-    async def _pump(self, call: Call, upstream: Any, receive: Receive, send: Send) -> None:
+    async def _pump(
+        self, call: Call, upstream: UpstreamWebSocket, receive: Receive, send: Send
+    ) -> None:
         """Both directions until one side closes; then the other is closed with its code."""
 
         async def from_client() -> int:
@@ -258,11 +257,8 @@ class RealtimeEndpoint:
 
 def _query_model(query: bytes) -> str | None:
     """``model`` from the query string, as vLLM's realtime route takes it."""
-    for part in query.split(b"&"):
-        name, _, value = part.partition(b"=")
-        if name == b"model" and value:
-            return unquote(value.decode("latin-1"))
-    return None
+    values = parse_qs(query.decode("latin-1")).get("model")
+    return values[0] if values else None
 
 
 __all__ = ["PATH", "RealtimeEndpoint", "RealtimeParts", "close_code_for", "upstream_headers"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from proxy.config import LaneConfig, Policy
 from proxy.routing.tokens import TokenCounter
@@ -50,12 +50,6 @@ AUDIO_URL_TOKENS = 30 * AUDIO_TOKENS_PER_S
 # without decoding it, and a low guess would put it on a latency lane.
 VIDEO_IMAGES = 8
 
-_KINDS: dict[str, Kind] = {
-    "chat": "chat",
-    "completion": "completion",
-    "messages": "messages",
-    "responses": "responses",
-}
 _CHAT_LIKE = frozenset({"chat", "messages", "responses"})
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds"})
 _AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
@@ -131,10 +125,7 @@ def _tool_calls_chars(tool_calls: list[Any], texts: list[str] | None) -> int:
 
 
 def _json_chars(value: Any, texts: list[str] | None) -> int:
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):  # not from JSON (a caller's own object): count its repr
-        text = str(value)
+    text = _dump(value)
     if texts is not None:
         texts.append(text)
     return len(text)
@@ -297,6 +288,8 @@ def _block_parts(content: Any) -> Any:
 
 
 def _dump(value: Any) -> str:
+    """``value`` as the JSON a chat template renders; a value not from JSON (a caller's own
+    object) as its repr."""
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
@@ -441,7 +434,7 @@ def profile_request(
         text_tokens = math.ceil(chars / estimator.ratio(model))
     max_tokens = _max_tokens(view)
     return Profile(
-        kind=_KINDS[kind],  # narrowed: any other kind raised above
+        kind=cast(Kind, kind),  # any other kind raised above
         model=model,
         stream=body.get("stream") is True,
         prompt_chars=chars,
