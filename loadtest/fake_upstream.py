@@ -52,6 +52,8 @@ class FakeStats:
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected_at: list[float] = field(default_factory=list)
     connections: int = 0  # accepted
+    streaming: int = 0  # paced chat streams being sent now
+    max_streaming: int = 0  # the most at once
 
 
 def _chunk(
@@ -309,6 +311,15 @@ class FakeUpstream:
             data = b"".join(events)
             w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
             return
+        stats = self.stats
+        stats.streaming += 1
+        stats.max_streaming = max(stats.max_streaming, stats.streaming)
+        try:
+            await self._paced(w, events, interval)
+        finally:
+            stats.streaming -= 1
+
+    async def _paced(self, w: asyncio.StreamWriter, events: list[bytes], interval: float) -> None:
         with self._noting_disconnects():
             for i, event in enumerate(events):
                 if i == 1 and self.first_token_delay_s:

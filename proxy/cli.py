@@ -19,14 +19,45 @@ from proxy.schema import policy_markdown, policy_schema, with_key_table
 def _serve(args: argparse.Namespace) -> int:
     from proxy.edge.serve import serve
 
+    overrides = {"server.host": args.host, "server.port": args.port, "server.workers": args.workers}
     try:
-        policy = load_policy(
-            args.config, overrides={"server.host": args.host, "server.port": args.port}
-        )
+        policy = load_policy(args.config, overrides=overrides)
     except PolicyError as exc:
         _print_problems(args.config, exc)
         return 1
-    return serve(policy, policy_path=str(args.config), log_level=args.log_level)
+    # What each worker is started with (the socket comes from the supervisor).
+    worker_args = ["--host", args.host] if args.host is not None else []
+    return serve(
+        policy, policy_path=str(args.config), log_level=args.log_level, worker_args=worker_args
+    )
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import socket
+
+    from proxy.edge.serve import serve_worker
+    from proxy.workers.link import WorkerPlace
+
+    overrides = {"server.host": args.host, "server.workers": 1}
+    try:
+        policy = load_policy(args.config, overrides=overrides)
+    except PolicyError as exc:
+        _print_problems(args.config, exc)
+        return 1
+    sock = socket.socket(fileno=args.fd)
+    place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
+    return serve_worker(
+        policy, policy_path=str(args.config), place=place, sock=sock, log_level=args.log_level
+    )
+
+
+def _workers_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number or auto") from None
 
 
 def _print_problems(path: str, exc: PolicyError) -> None:
@@ -168,7 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="overrides server.host")
     p.add_argument("--port", type=int, default=None, help="overrides server.port")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--workers",
+        type=_workers_arg,
+        default=None,
+        help="worker processes, a number or auto (overrides server.workers)",
+    )
     p.set_defaults(func=_serve)
+
+    # A worker of `serve --workers N`, started by its supervisor (not for people).
+    p = sub.add_parser("worker")
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", default=None)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--rundir", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.set_defaults(func=_worker)
 
     p = sub.add_parser("check", help="validate a policy file")
     p.add_argument("path")

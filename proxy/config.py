@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from importlib import metadata
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -46,6 +46,7 @@ MiB = 1024 * 1024
 RESTART_KEYS: tuple[str, ...] = (
     "server.host",
     "server.port",
+    "server.workers",
     "server.max_body_bytes",
     "server.admin_token_env",
     "server.api_keys_env",
@@ -95,6 +96,13 @@ class ServerConfig(_Strict):
     )
     shutdown_grace_s: float = key(
         30.0, "Requests in flight get this long to finish after SIGTERM.", "s", ge=0
+    )
+    # Several processes accepting on one port as one gateway (docs/workers.md); `auto` is
+    # the CPUs this process may use: the smaller of its affinity and its cgroup's quota.
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = key(
+        1,
+        "Worker processes, 1–256 (`auto`: the CPUs allowed by affinity and cgroup quota). "
+        "Several act as one gateway: limits, health, metrics and admin are shared.",
     )
     # Bounds on what a client may hold before its request is complete (and before it is
     # authenticated). Header bounds are Envoy's defaults; a refusal is a 431 and a close.

@@ -15,28 +15,52 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import generate_latest
 
 from proxy.config import Policy, keep_restart_keys, restart_changes
 from proxy.edge.auth import ClientKeys, Guard
 from proxy.edge.routes import GatewayApp
 from proxy.errors import PolicyError
 from proxy.fleet.discovery import Discovery, dns_hosts, expand
-from proxy.fleet.fleet import Fleet
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.fleet.health import HealthMonitor
+from proxy.observe.merge import Family, families, merge, registry_of, worker_gauges
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
 from proxy.observe.tracing import from_environ as tracer_from_environ
-from proxy.policyfile import load_policy
+from proxy.policyfile import policy_from_text
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.relay import Relay, make_client
-from proxy.routing.admission import Admission
+from proxy.routing.admission import Admission, replica_row
 from proxy.routing.estimate import Estimator
+from proxy.state.codec import ReplicaRecord
+from proxy.state.protocol import SharedState, new_instance_id
 from proxy.state.shared import FleetView, shared_state_for
+from proxy.state.view import record_of
+from proxy.workers.link import WorkerLink, apply_health, health_item
 
 log = logging.getLogger("tokenlane")
 
 POLICY_POLL_S = 1.0
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+def _read_policy(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError([f"{path}: {exc.strerror or exc}"]) from None
 
 
 def _file_hash(path: str) -> bytes | None:
@@ -56,12 +80,17 @@ class Gateway:
         *,
         environ: Mapping[str, str] | None = None,
         policy_path: str | None = None,
+        link: WorkerLink | None = None,
     ) -> None:
         self.declared = policy  # as written; `policy` is it with DNS replicas expanded
         self.policy = policy
         self.version = 1
         self.policy_path = policy_path
         self.needs_restart: list[str] = []
+        # One of several workers of a serve (``--workers``): its link to the others.
+        self.link = link
+        self.leader = link is None or link.place.leader
+        self.policy_text = _read(policy_path) if policy_path is not None else None
         self.discovery = Discovery()
         self._reload_lock = asyncio.Lock()
         self._policy_hash: bytes | None = None
@@ -73,8 +102,15 @@ class Gateway:
         self.outcomes = Outcomes(Recorder(self.metrics, self.estimator))
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
-        # with the other instances.
-        self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
+        # with the other instances. The workers of one serve share them through their link
+        # (and, with Redis, each is an instance of its own there too).
+        if link is not None:
+            self.admission.ledger = link.ledger
+        self.shared: SharedState
+        if link is not None and policy.redis.url is None:
+            self.shared = link.shared_state(new_instance_id())
+        else:
+            self.shared = shared_state_for(lambda: self.policy.redis, self.metrics)
         self.guard = Guard(
             ClientKeys.from_env(self.environ, policy.server.api_keys_env),
             self.shared.rate_limiter(lambda: self.policy.rate_limits),
@@ -95,8 +131,13 @@ class Gateway:
             homes=ResponseHomes(shared=self.shared),
         )
         self.health = HealthMonitor(
-            self.fleet, lambda: self.policy, self.health_client, self.metrics
+            self.fleet,
+            lambda: self.policy,
+            self.health_client,
+            self.metrics,
+            on_round=link.health_round if link is not None and self.leader else None,
         )
+        self.view: FleetView | None = None
         self.active_requests = 0  # relayed requests being handled, queued ones included
         self.shutting_down = False
         for replica in self.fleet.replicas():
@@ -111,11 +152,14 @@ class Gateway:
         """Read the policy file again and swap it in whole, or keep the old one and raise
         ``PolicyError`` saying why. Requests in flight finish with the policy they started
         with; replicas that stay keep their health state and counters."""
+        if not self.leader:
+            return await self._reload_by_leader()
         async with self._reload_lock:
             if self.policy_path is None:
                 raise PolicyError(["no policy file: this gateway was started from data"])
             try:
-                new = load_policy(self.policy_path, environ=self.environ)
+                text = _read_policy(self.policy_path)
+                new = policy_from_text(text, environ=self.environ, name=self.policy_path)
             except PolicyError as exc:
                 self.metrics.reloads.labels("invalid").inc()
                 log.warning(
@@ -127,8 +171,11 @@ class Gateway:
             self.needs_restart = restart_changes(self.declared, new)
             self._swap(keep_restart_keys(self.declared, new))
             self.version += 1
+            self.policy_text = text
             self._policy_hash = _file_hash(self.policy_path)
             self.metrics.reloads.labels("ok").inc()
+            if self.link is not None:
+                self.link.policy_swapped(text, self.version)
             log.info(
                 "policy reloaded: version %d%s",
                 self.version,
@@ -137,6 +184,96 @@ class Gateway:
                 else "",
             )
             return self.version
+
+    async def _reload_by_leader(self) -> int:
+        """A worker's reload is the leader's: it reads the file and sends every worker the
+        text it accepted (this one adopts it from the answer too), or refuses it for all."""
+        assert self.link is not None
+        answer = await self.link.ask_leader_reload()
+        if answer is None:
+            raise PolicyError(["the leader worker did not answer; the policy is unchanged"])
+        if not answer.get("ok"):
+            raise PolicyError([str(p) for p in answer.get("problems", [])])
+        self.adopt(str(answer["text"]), int(answer["version"]))
+        return int(answer["version"])
+
+    async def reload_answer(self) -> dict[str, Any]:
+        """The leader's answer to a worker that asked for a reload."""
+        try:
+            version = await self.reload()
+        except PolicyError as exc:
+            return {"ok": False, "problems": exc.problems}
+        return {"ok": True, "version": version, "text": self.policy_text}
+
+    def adopt(self, text: str, version: int) -> None:
+        """The policy the leader swapped in (a worker's side of a reload): the same text, the
+        same version. An older or equal version is one this worker has."""
+        if version <= self.version:
+            return
+        try:
+            new = policy_from_text(text, environ=self.environ, name=self.policy_path or "<policy>")
+        except PolicyError as exc:  # the leader accepted it: only the environment can differ
+            log.error("worker policy version %d refused here: %s", version, exc.problems)
+            return
+        self.needs_restart = restart_changes(self.declared, new)
+        self._swap(keep_restart_keys(self.declared, new))
+        self.version = version
+        self.policy_text = text
+        self.metrics.reloads.labels("ok").inc()
+        log.info("policy version %d adopted from the leader worker", version)
+
+    def sync_state(self) -> dict[str, Any]:
+        """What a starting worker takes over from this one: states, health, policy."""
+        now = self.fleet.clock()
+        replicas = list(self.fleet.replicas())
+        return {
+            "records": [asdict(record_of(r, now)) for r in replicas],
+            "health": [health_item(r) for r in replicas],
+            "version": self.version,
+            "text": self.policy_text,
+            "pid": os.getpid(),
+        }
+
+    def adopt_sync(self, answer: Mapping[str, Any]) -> None:
+        if answer.get("text") is not None:
+            self.adopt(str(answer["text"]), int(answer["version"]))
+        replicas = list(self.fleet.replicas())
+        for item in answer.get("health", []):
+            apply_health(replicas, item)
+        if self.view is not None:
+            for raw in answer.get("records", []):
+                self.view.apply(ReplicaRecord(**raw))
+
+    def in_flight(self, replica: Replica) -> int:
+        if self.link is None:
+            return replica.in_flight
+        board = self.link.board
+        return board.total(board.row(replica_row(replica)))
+
+    def local_families(self) -> list[Family]:
+        """This process's metrics, as data (one worker's share of a merged scrape)."""
+        self.outcomes.flush()  # every request that ended before the scrape is in it
+        m = self.metrics
+        for replica in self.fleet.replicas():
+            m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
+            m.set_replica_state(replica.pool, replica.name, replica.state.value)
+        return families(m.registry)
+
+    async def scrape(self) -> bytes:
+        """The gateway's metrics; with workers, every worker's merged (``observe.merge``)."""
+        if self.link is None:
+            self.local_families()
+            return generate_latest(self.metrics.registry)
+        mine = self.local_families()
+        answers = await self.link.peer_metrics()
+        index = self.link.place.index
+        by_worker: dict[int, list[Family]] = {index: mine}
+        for peer, answer in answers.items():
+            if answer is not None and "families" in answer:
+                by_worker[peer] = answer["families"]
+        merged = merge([by_worker[w] for w in sorted(by_worker)])
+        merged.extend(worker_gauges(self.link.place.count, len(by_worker)))
+        return generate_latest(registry_of(merged))
 
     def _swap(self, declared: Policy) -> None:
         self.declared = declared
@@ -186,10 +323,14 @@ class Gateway:
             self._swap(self.declared)
         # Before the first health round, so this instance starts from the shared states
         # (bounded by redis.timeout_ms per call: a missing Redis delays nothing).
-        await self.shared.start(FleetView(self.fleet, self.shared))
-        await self.health.start()
+        self.view = FleetView(self.fleet, self.shared)
+        await self.shared.start(self.view)
+        if self.link is not None:
+            await self.link.start(self)  # takes over the fleet's state from a running worker
+        if self.leader:  # the workers' leader probes for all of them
+            await self.health.start()
         self._tasks = [asyncio.create_task(self._discover())]
-        if self.policy_path is not None:
+        if self.policy_path is not None and self.leader:
             self._policy_hash = _file_hash(self.policy_path)
             self._tasks.append(asyncio.create_task(self._watch_policy_file()))
 
@@ -200,6 +341,8 @@ class Gateway:
             await self.admission.close()
             await self.health.stop()
             await self.shared.stop()
+            if self.link is not None:
+                await self.link.stop()
             await self.client.aclose()
             await self.health_client.aclose()
         finally:
@@ -229,9 +372,10 @@ def create_app(
     *,
     environ: Mapping[str, str] | None = None,
     policy_path: str | None = None,
+    link: WorkerLink | None = None,
 ) -> GatewayApp:
     """A gateway and the ASGI app that serves it (``app.gateway`` holds the parts)."""
-    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path))
+    return GatewayApp(Gateway(policy, environ=environ, policy_path=policy_path, link=link))
 
 
 __all__ = ["POLICY_POLL_S", "Gateway", "create_app"]

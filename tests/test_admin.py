@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from proxy.config import Policy
 from proxy.edge.admin import Forbidden, admin_routes, check_auth, epoch_row
 from proxy.errors import Unauthorized
-from proxy.fleet.fleet import Fleet
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 from proxy.policyfile import PolicyError, build_policy
 
@@ -42,6 +42,9 @@ class FakeGateway:
             raise PolicyError(self.next_problems)
         self.version += 1
         return self.version
+
+    def in_flight(self, replica: Replica) -> int:
+        return replica.in_flight
 
 
 def make_gateway(environ: Mapping[str, str] | None = None) -> FakeGateway:

@@ -7,7 +7,7 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   server       proxy.edge.serve (the process: uvicorn, signals)
   composition  proxy.gateway (builds the parts, reload, start/stop)
   edge         the rest of proxy.edge (endpoint, routes, auth, admin)
-  core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe
+  core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe, proxy.workers
   base         proxy.config, proxy.policyfile, proxy.schema, proxy.errors, proxy.routing.tokens,
                proxy.edge.asgi_ext
 """
@@ -39,7 +39,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "proxy.edge.asgi_ext",
         ),
     ),
-    ("core", ("proxy.routing", "proxy.relay", "proxy.fleet", "proxy.state", "proxy.observe")),
+    (
+        "core",
+        (
+            "proxy.routing",
+            "proxy.relay",
+            "proxy.fleet",
+            "proxy.state",
+            "proxy.observe",
+            "proxy.workers",
+        ),
+    ),
 ]
 ORDER = ["commands", "server", "composition", "edge", "core", "base"]
 

@@ -47,6 +47,10 @@ class AdminGateway(Protocol):
 
     async def reload(self) -> int: ...
 
+    def in_flight(self, replica: Replica) -> int:
+        """The gateway's requests in flight to ``replica`` (all workers' when it has several)."""
+        ...
+
 
 def is_loopback(host: str | None) -> bool:
     if not host:
@@ -188,7 +192,9 @@ def admin_routes(gateway: AdminGateway) -> list[Route]:
         return endpoint
 
     def row(replica: Replica) -> dict[str, Any]:
-        return epoch_row(replica.row(), gateway.fleet.clock(), time.time())
+        shown = replica.row()
+        shown["in_flight"] = gateway.in_flight(replica)
+        return epoch_row(shown, gateway.fleet.clock(), time.time())
 
     async def replicas(request: Request) -> Response:
         return JSONResponse({"replicas": [row(r) for r in gateway.fleet.replicas()]})

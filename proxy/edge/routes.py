@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -63,6 +63,10 @@ class AppGateway(RealtimeParts, AdminGateway, Protocol):
 
     def ready(self) -> tuple[bool, list[str]]: ...
 
+    async def scrape(self) -> bytes:
+        """The gateway's metrics in Prometheus' text format (all workers' when it has several)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -104,12 +108,7 @@ def build_routes(gw: AppGateway) -> list[Route]:
         return _json({"status": "ready", "policy_version": gw.version})
 
     async def metrics(request: Request) -> Response:
-        gw.outcomes.flush()  # every request that ended before the scrape is in it
-        m = gw.metrics
-        for replica in gw.fleet.replicas():
-            m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
-            m.set_replica_state(replica.pool, replica.name, replica.state.value)
-        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gw.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     return [
         Route("/v1/models", models, methods=["GET"]),

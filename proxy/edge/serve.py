@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any, cast
 
@@ -20,6 +21,8 @@ from proxy.config import Policy
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import configure_logging
 from proxy.gateway import Gateway, create_app
+from proxy.workers.link import WorkerLink, WorkerPlace
+from proxy.workers.supervisor import supervise, workers_for
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
@@ -124,8 +127,23 @@ def _check_fd_limit(max_connections: int) -> None:
         )
 
 
-def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "info") -> int:
+def serve(
+    policy: Policy,
+    *,
+    policy_path: str | None = None,
+    log_level: str = "info",
+    worker_args: Sequence[str] = (),
+) -> int:
+    """One process serving the policy's port, or, with ``server.workers`` above 1, a
+    supervisor of that many worker processes (``worker_args``: their other command-line
+    options)."""
     configure_logging(log_level)
+    count = workers_for(policy.server.workers)
+    if count > 1:
+        if policy_path is None:
+            raise ValueError("workers need a policy file: each worker reads it")
+        args = ["--config", policy_path, "--log-level", log_level, *worker_args]
+        return supervise(policy, count, args)
     tune_gc()
     app = create_app(policy, policy_path=policy_path)
     # The drain happened before uvicorn's shutdown starts: what is left gets one more second.
@@ -146,9 +164,32 @@ def serve(policy: Policy, *, policy_path: str | None = None, log_level: str = "i
     return 0
 
 
+def serve_worker(
+    policy: Policy,
+    *,
+    policy_path: str,
+    place: WorkerPlace,
+    sock: socket.socket,
+    log_level: str = "info",
+) -> int:
+    """One worker of a serve: the gateway on the supervisor's socket, linked to the others."""
+    configure_logging(log_level)
+    tune_gc()
+    app = create_app(policy, policy_path=policy_path, link=WorkerLink(place))
+    config = uvicorn_config(
+        app, policy.server.host, policy.server.port, timeout_graceful_shutdown=1.0
+    )
+    server = GatewayServer(config, cast(Gateway, app.gateway))
+    _check_fd_limit(policy.server.max_connections)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    return 0
+
+
 __all__ = [
     "GatewayServer",
     "serve",
+    "serve_worker",
     "tune_gc",
     "uvicorn_config",
 ]

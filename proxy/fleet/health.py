@@ -51,14 +51,17 @@ class HealthMonitor:
         client: UpstreamClient,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        on_round: Callable[[Replica], None] | None = None,
     ) -> None:
         """``client`` is the upstream seam's (``relay.upstream.make_client``): it raises only
-        ``UpstreamError`` for what a replica's answer met."""
+        ``UpstreamError`` for what a replica's answer met. ``on_round`` hears of each
+        replica's finished round (the workers' leader tells the other workers)."""
         self.fleet = fleet
         self.policy = policy
         self.client = client
         self.metrics = metrics
         self.clock = clock
+        self.on_round = on_round
         if fleet.metrics is None:
             fleet.metrics = metrics
             fleet.publish_all()
@@ -141,6 +144,8 @@ class HealthMonitor:
         if replica.state is ReplicaState.PROBING and ok and replica.models:
             good, detail = await self._canary(replica, h.canary_timeout_s)
             self.fleet.canary_result(replica, good, self.clock(), detail)
+        if self.on_round is not None:
+            self.on_round(replica)
 
     async def _check_health(self, replica: Replica, timeout_s: float) -> bool:
         try:

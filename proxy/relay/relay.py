@@ -40,7 +40,7 @@ from proxy.errors import (
     sse_error_event,
 )
 from proxy.fleet import detect
-from proxy.fleet.fleet import Fleet, Replica
+from proxy.fleet.fleet import Fleet, Pool, Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import sse
@@ -197,7 +197,7 @@ class Relay:
             home = self._pinned_candidate(call)
             if home is None or not has_room(home) or home in call.tried:
                 return None
-            return home
+            return home if self.admission.claim(home) else None
         for pool_name in (lane.pool, lane.spill_to):
             # A request keeps the lane it started with; a reload may have removed its pool.
             if pool_name is None:
@@ -206,26 +206,16 @@ class Relay:
             if pool is None:
                 continue
             cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
+            choice = None
+            while cands:
+                choice = self._choose(pool, pool_name, cands, call)
+                # With workers, another worker may have taken the slot since has_room.
+                if choice is None or self.admission.claim(choice):
+                    break
+                cands.remove(choice)
+                choice = None
             if not cands:
                 continue
-            key = None
-            cfg = pool.config
-            if cfg.balance == "prefix_affinity" and call.profile is not None:
-                key = affinity_key(call.profile, cfg.prefix_chars)
-            if cfg.balance == "cache_aware":
-                chars = self.policy().estimate.chars_per_token
-                choice = cache_aware.pick(
-                    fleet, self.metrics, chars, pool_name, cands, call, self.rng
-                )
-            else:
-                choice = balance.pick(
-                    cfg.balance,
-                    cands,
-                    key=key,
-                    rng=self.rng,
-                    rr_index=pool.rr_counter,
-                    bounded_load=cfg.bounded_load,
-                )
             if not call.tried:  # round robin advances once per request, not per retry
                 pool.rr_counter += 1
             if choice is not None:
@@ -233,6 +223,27 @@ class Relay:
                     self.metrics.spills.labels(lane.name, lane.pool, pool_name).inc()
                 return choice
         return None
+
+    def _choose(
+        self, pool: Pool, pool_name: str, cands: list[Replica], call: Call
+    ) -> Replica | None:
+        cfg = pool.config
+        if cfg.balance == "cache_aware":
+            chars = self.policy().estimate.chars_per_token
+            return cache_aware.pick(
+                self.fleet, self.metrics, chars, pool_name, cands, call, self.rng
+            )
+        key = None
+        if cfg.balance == "prefix_affinity" and call.profile is not None:
+            key = affinity_key(call.profile, cfg.prefix_chars)
+        return balance.pick(
+            cfg.balance,
+            cands,
+            key=key,
+            rng=self.rng,
+            rr_index=pool.rr_counter,
+            bounded_load=cfg.bounded_load,
+        )
 
     def any_serving(self, call: Call) -> bool:
         fleet = self.fleet

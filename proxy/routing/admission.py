@@ -22,6 +22,12 @@ resumes: ``has_room`` counts reservations, so no newcomer or retry takes that sl
 The waiter turns its reservation into a real in-flight count in the same step as the relay
 calls ``fleet.attempt_started`` (no await between the two).
 
+Workers (``tokenlane serve --workers N``). A ``Ledger`` shares the counts with the other
+workers of the serve: a replica's and a lane's in-flight and a lane's queue depth are then the
+sums over all workers, each taken with a claim that cannot overshoot (``claim``: check and
+take under one lock), and a slot freed in one worker wakes the waiters of the others
+(``kick_others``). Without a ledger (one process) none of this runs.
+
 Nothing polls per request: each waiter is a future and a timer handle. One sweeper task per
 gateway runs only while something waits; it re-offers slots every ``SWEEP_S`` for changes no
 release announces (a replica readmitted, a reload raising a limit) and fails waiters whose
@@ -40,7 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.config import LaneConfig
 from proxy.errors import Rejected
@@ -53,6 +59,34 @@ log = logging.getLogger("tokenlane.admission")
 # whether any replica at all could serve it (healthy and serving the model, saturated or not).
 TryPick = Callable[[], Replica | None]
 AnyServing = Callable[[], bool]
+
+
+class Ledger(Protocol):
+    """Counts shared by the workers of one serve (``proxy.workers.ledger``), by name."""
+
+    def others(self, name: str) -> int:
+        """What the other workers hold of ``name`` now."""
+        ...
+
+    def claim(self, name: str, limit: int) -> bool:
+        """One more for this worker when all workers together hold fewer than ``limit``."""
+        ...
+
+    def hold(self, name: str, count: int) -> None:
+        """What this worker holds of ``name`` now."""
+        ...
+
+    def kick_others(self) -> None:
+        """A slot was freed here: wake the workers that have waiters."""
+        ...
+
+
+WAITING_ROW = "waiting"  # a worker's waiters over all lanes: whom a freed slot should wake
+
+
+def replica_row(replica: Replica) -> str:
+    return f"r {replica.pool} {replica.url}"
+
 
 SWEEP_S = 0.25
 DRAIN_TAU_S = 10.0  # time constant of the drain-rate average: a burst's own pace, not an hour's
@@ -125,9 +159,21 @@ class LaneState:
     depth: Any = None  # the lane's tokenlane_queue_depth child
     wait: Any = None  # the lane's tokenlane_queue_wait_seconds child
 
-    def has_room(self) -> bool:
+    def has_room(self, ledger: Ledger | None) -> bool:
         limit = self.config.max_in_flight
-        return limit is None or self.in_flight < limit
+        if limit is None:
+            return True
+        if ledger is None:
+            return self.in_flight < limit
+        return self.in_flight + ledger.others(self.row) < limit
+
+    @property
+    def row(self) -> str:
+        return f"l {self.config.name}"
+
+    @property
+    def queue_row(self) -> str:
+        return f"q {self.config.name}"
 
     def head(self) -> Waiter:
         return next(iter(self.queue.values()))
@@ -152,6 +198,8 @@ class Admission:
         self._reserved: dict[Replica, int] = {}
         self._seq = itertools.count()
         self._sweeper: asyncio.Task[None] | None = None
+        self.ledger: Ledger | None = None  # set when this process is one of several workers
+        self._unsettled: set[Replica] = set()  # claimed in this step, not yet held (below)
         self.set_lanes(lanes)
 
     def set_lanes(self, lanes: Iterable[LaneConfig]) -> None:
@@ -181,8 +229,62 @@ class Admission:
     # -- what the relay asks ---------------------------------------------------------------
 
     def has_room(self, replica: Replica) -> bool:
-        """Below ``max_in_flight``, counting slots handed to waiters that have not started yet."""
-        return replica.in_flight + self._reserved.get(replica, 0) < replica.config.max_in_flight
+        """Below ``max_in_flight``, counting slots handed to waiters that have not started yet
+        (and, with workers, what the other workers hold: then also the replica's load)."""
+        held = replica.in_flight + self._reserved.get(replica, 0)
+        ledger = self.ledger
+        if ledger is not None:
+            replica.remote_in_flight = others = ledger.others(replica_row(replica))
+            held += others
+        return held < replica.config.max_in_flight
+
+    def claim(self, replica: Replica) -> bool:
+        """Take the slot ``has_room`` saw, for the pick the caller is about to use. With
+        workers another worker may have taken it since (False: pick another); the claim is
+        settled into this worker's held count at the end of the step (``_settle``), by when
+        the pick has become an attempt or a reservation, or was dropped."""
+        ledger = self.ledger
+        if ledger is None:
+            return True
+        if not ledger.claim(replica_row(replica), replica.config.max_in_flight):
+            return False
+        if not self._unsettled:
+            asyncio.get_running_loop().call_soon(self._settle)
+        self._unsettled.add(replica)
+        return True
+
+    def _settle(self) -> None:
+        for replica in self._unsettled:
+            self._hold(replica)
+        self._unsettled.clear()
+
+    def _hold(self, replica: Replica) -> None:
+        if self.ledger is not None:
+            self.ledger.hold(
+                replica_row(replica), replica.in_flight + self._reserved.get(replica, 0)
+            )
+
+    def _claim_lane(self, st: LaneState) -> bool:
+        limit = st.config.max_in_flight
+        if self.ledger is None or limit is None:
+            return True
+        return self.ledger.claim(st.row, limit)
+
+    def _hold_lane(self, st: LaneState) -> None:
+        if self.ledger is not None and st.config.max_in_flight is not None:
+            self.ledger.hold(st.row, st.in_flight)
+
+    def _queued_anywhere(self, st: LaneState) -> bool:
+        if st.queue:
+            return True
+        return self.ledger is not None and self.ledger.others(st.queue_row) > 0
+
+    def _queue_depth(self, st: LaneState) -> int:
+        """The lane's queue across all workers."""
+        depth = len(st.queue)
+        if self.ledger is not None:
+            depth += self.ledger.others(st.queue_row)
+        return depth
 
     async def admit(self, lane: LaneConfig, try_pick: TryPick, any_serving: AnyServing) -> Replica:
         """A replica for the request's first attempt, after waiting if need be; or ``Rejected``.
@@ -191,18 +293,19 @@ class Admission:
         st = self._lane(lane)
         if self.waiting:
             self._pump()  # earlier waiters first: a newcomer never takes a slot they can use
-        if not st.queue and st.has_room():
+        if not self._queued_anywhere(st) and st.has_room(self.ledger) and self._claim_lane(st):
             replica = try_pick()
             if replica is not None:
                 self._dispatched(st, 0.0)
                 return replica
+            self._hold_lane(st)  # the lane slot claimed is not used
         if not any_serving():
             raise self._reject(
                 st, "no_replica", 503, "no healthy replica can serve this request",
                 NO_REPLICA_RETRY_AFTER_S,
             )  # fmt: skip
-        depth = len(st.queue)
-        if depth >= lane.max_queue:
+        depth = self._queue_depth(st)
+        if depth >= lane.max_queue or not self._claim_queue(st):
             raise self._reject(
                 st, "queue_full", 429, f"the lane's queue is full ({lane.max_queue} waiting)",
                 retry_after_s(depth + 1, st.drain.per_s(self.clock())),
@@ -211,6 +314,9 @@ class Admission:
 
     def released(self, replica: Replica) -> None:
         """An attempt on ``replica`` ended: its slot may go to a waiter."""
+        if self.ledger is not None:
+            self._hold(replica)
+            self.ledger.kick_others()
         if self.waiting:
             self._pump()
 
@@ -219,8 +325,17 @@ class Admission:
         st = self.lanes.get(lane.name)
         if st is not None and st.in_flight > 0:
             st.in_flight -= 1
+        if st is not None and self.ledger is not None:
+            self._hold_lane(st)
+            self.ledger.kick_others()
         if self.waiting:
             self._pump()
+
+    def _claim_queue(self, st: LaneState) -> bool:
+        """A place in the lane's queue, which with workers is bounded across all of them."""
+        if self.ledger is None:
+            return True
+        return self.ledger.claim(st.queue_row, st.config.max_queue)
 
     def depths(self) -> dict[str, int]:
         return {name: len(st.queue) for name, st in self.lanes.items()}
@@ -262,9 +377,14 @@ class Admission:
         if fut.done() and not fut.cancelled():
             if fut.exception() is None:
                 # Granted in the instant before the cancel landed: give the slot back.
-                self._unreserve(fut.result())
+                replica = fut.result()
+                self._unreserve(replica)
+                self._hold(replica)
                 if st is not None and st.in_flight > 0:
                     st.in_flight -= 1
+                    self._hold_lane(st)
+                if self.ledger is not None:
+                    self.ledger.kick_others()
                 if self.waiting:
                     self._pump()
 
@@ -285,7 +405,8 @@ class Admission:
     def _pump(self) -> None:
         """Give every slot that is free now to the best waiter that can use it."""
         while self.waiting:
-            ready = [st for st in self.lanes.values() if st.queue and st.has_room()]
+            ledger = self.ledger
+            ready = [st for st in self.lanes.values() if st.queue and st.has_room(ledger)]
             if not ready:
                 return
             ready.sort(key=lambda s: (-s.config.priority, s.head().seq))
@@ -294,9 +415,12 @@ class Admission:
                 if head.future.done():  # cancelled; its task has not run its cleanup yet
                     self._abandon(head)
                     break
+                if not self._claim_lane(st):  # another worker took the lane's last slot
+                    continue
                 try:
                     replica = head.try_pick()
                 except Exception as exc:  # fail that request, not the one releasing a slot
+                    self._hold_lane(st)
                     del st.queue[head.seq]
                     self._changed(st, -1)
                     if head.timer is not None:
@@ -306,6 +430,7 @@ class Admission:
                 if replica is not None:
                     self._grant(st, head, replica)
                     break
+                self._hold_lane(st)
             else:
                 return
 
@@ -348,12 +473,16 @@ class Admission:
 
     def _dispatched(self, st: LaneState, waited_s: float) -> None:
         st.in_flight += 1
+        self._hold_lane(st)
         st.drain.note(self.clock())
         st.wait.observe(waited_s)
 
     def _changed(self, st: LaneState, delta: int) -> None:
         self.waiting += delta
         st.depth.set(len(st.queue))
+        if self.ledger is not None:
+            self.ledger.hold(st.queue_row, len(st.queue))
+            self.ledger.hold(WAITING_ROW, self.waiting)
 
     def _unreserve(self, replica: Replica) -> None:
         n = self._reserved.get(replica, 0) - 1

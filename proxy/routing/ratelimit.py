@@ -110,7 +110,7 @@ class RateLimiter(Protocol):
 
 
 @dataclass(slots=True)
-class _KeyBuckets:
+class KeyBuckets:
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
 
@@ -122,7 +122,7 @@ class LocalRateLimiter:
 
     limits: Callable[[], RateLimitsConfig]
     clock: Callable[[], float] = time.monotonic
-    buckets: dict[str, _KeyBuckets] = field(default_factory=dict)
+    buckets: dict[str, KeyBuckets] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -134,7 +134,7 @@ class LocalRateLimiter:
         now = self.clock()
         kb = self.buckets.get(key)
         if kb is None:
-            kb = self.buckets[key] = _KeyBuckets()
+            kb = self.buckets[key] = KeyBuckets()
         kb.requests = _sync(kb.requests, cfg.requests_per_min, now)
         kb.tokens = _sync(kb.tokens, cfg.tokens_per_min, now)
         # The token cost stays an int: a client-chosen one may be beyond any float

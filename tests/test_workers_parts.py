@@ -1,0 +1,192 @@
+"""The parts of `serve --workers N`, each on its own: how many workers, the board (shared counts
+and rate-limit buckets), admission over a shared ledger, and the metrics merge."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from proxy.config import LaneConfig, RateLimitsConfig
+from proxy.errors import Rejected
+from proxy.fleet.fleet import Fleet
+from proxy.observe.merge import families, merge, registry_of
+from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
+from proxy.routing.admission import Admission
+from proxy.workers.board import Board
+from proxy.workers.link import BoardLedger, BoardRateLimiter
+from proxy.workers.supervisor import auto_workers, cgroup_cpus
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "quota", "period", "expected"),
+    [
+        ("max 100000", None, None, None),  # v2, unlimited
+        ("200000 100000", None, None, 2),
+        ("150000 100000", None, None, 2),  # 1.5 CPUs: rounded up
+        ("50000 100000", None, None, 1),
+        ("garbage", None, None, None),
+        (None, "-1", "100000", None),  # v1, unlimited
+        (None, "400000", "100000", 4),
+        (None, None, None, None),  # no cgroup files
+    ],
+)
+def test_cgroup_cpus(
+    cpu_max: str | None, quota: str | None, period: str | None, expected: int | None
+) -> None:
+    assert cgroup_cpus(cpu_max, quota, period) == expected
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cgroup", "expected"),
+    [(64, 2, 2), (2, None, 2), (4, 16, 4), (1, None, 1), (8, 8, 8)],
+)
+def test_auto_workers_is_the_smaller_of_affinity_and_quota(
+    affinity: int, cgroup: int | None, expected: int
+) -> None:
+    assert auto_workers(affinity, cgroup) == expected
+
+
+@pytest.fixture
+def boards(tmp_path: Path) -> Iterator[tuple[Board, Board, Board]]:
+    """The supervisor's handle and two workers' on one board file."""
+    path = str(tmp_path / "board")
+    parent = Board(path, None, create=True, workers=2)
+    w0, w1 = Board(path, 0), Board(path, 1)
+    yield parent, w0, w1
+    for b in (w0, w1, parent):
+        b.close()
+
+
+def test_a_name_has_one_row_in_every_process(boards: tuple[Board, Board, Board]) -> None:
+    _, w0, w1 = boards
+    names = [f"r pool http://10.0.0.{i}:8000" for i in range(200)]
+    rows0 = [w0.row(n) for n in names]
+    assert [w1.row(n) for n in names] == rows0
+    assert len(set(rows0)) == len(names)
+
+
+def test_claims_hold_a_limit_across_workers_and_a_dead_column_frees(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    parent, w0, w1 = boards
+    row = w0.row("r p http://a")
+    assert w0.claim(row, 3) and w0.claim(row, 3)
+    assert w1.claim(row, 3)
+    assert not w1.claim(row, 3) and not w0.claim(row, 3)
+    assert (w0.total(row), w0.mine(row), w1.mine(row)) == (3, 2, 1)
+    parent.zero_column(0)  # worker 0 died
+    assert w1.total(row) == 1
+    assert w1.claim(row, 3) and w1.claim(row, 3) and not w1.claim(row, 3)
+    w1.set_mine(row, 0)  # worker 1 released all
+    assert w0.total(row) == 0
+
+
+def test_rate_limit_buckets_are_one_budget_for_all_workers(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    _, w0, w1 = boards
+    now = [1000.0]
+    limits = RateLimitsConfig(requests_per_min=5)
+    a = BoardRateLimiter(lambda: limits, clock=lambda: now[0], board=w0)
+    b = BoardRateLimiter(lambda: limits, clock=lambda: now[0], board=w1)
+    allowed = [lim.check("key-1", 10).allowed for lim in (a, b, a, b, a, b, a)]
+    assert allowed == [True] * 5 + [False] * 2
+    refused = b.check("key-1", 10)
+    assert refused.requests is not None and refused.requests.remaining == 0
+    assert refused.retry_after_s == pytest.approx(12.0)  # one request's refill: 60 s / 5
+    assert a.check("key-2", 10).allowed  # another key, its own budget
+    now[0] += 12.0
+    assert b.check("key-1", 10).allowed and not a.check("key-1", 10).allowed
+
+
+def _admission(fleet: Fleet, ledger: BoardLedger, lane: LaneConfig) -> Admission:
+    adm = Admission(fleet, Metrics(), [lane], sweep_s=60.0)  # no sweeper help
+    adm.ledger = ledger
+    return adm
+
+
+async def test_admission_over_a_ledger_holds_replica_and_lane_limits_and_wakes_the_other(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    """Two workers' admissions over one board: a replica's max_in_flight and a lane's
+    max_queue hold for both together, and a slot freed in one wakes a waiter of the other."""
+    _, w0, w1 = boards
+    policy = build_policy(
+        {
+            "pools": {"p": {"replicas": [{"url": "http://r0", "max_in_flight": 2}]}},
+            "lanes": [{"name": "all", "pool": "p", "max_queue": 1, "queue_timeout_s": 30}],
+        }
+    )
+    lane = policy.lanes[0]
+    fleets = [Fleet(policy, {}), Fleet(policy, {})]
+    for fleet in fleets:
+        for r in fleet.replicas():
+            r.state = r.state.HEALTHY
+            r.models = {"m": {}}
+    adms: list[Admission] = []
+    ledgers = [
+        BoardLedger(w0, lambda w: adms[w].kick()),
+        BoardLedger(w1, lambda w: adms[w].kick()),
+    ]
+    adms.extend(_admission(f, led, lane) for f, led in zip(fleets, ledgers, strict=True))
+
+    def picker(i: int):  # the relay's try_pick, reduced: the one replica when it has room
+        def pick():
+            replica = next(fleets[i].replicas())
+            if adms[i].has_room(replica) and adms[i].claim(replica):
+                return replica
+            return None
+
+        return pick
+
+    async def admit(i: int):
+        replica = await adms[i].admit(lane, picker(i), lambda: True)
+        fleets[i].attempt_started(replica)
+        return replica
+
+    r0 = await admit(0)
+    r1 = await admit(1)
+    await asyncio.sleep(0)  # the claims settle into the held counts at the end of the step
+    assert w0.total(w0.row("r p http://r0")) == 2
+    waiter = asyncio.create_task(admit(1))  # worker 1 queues: the replica is full
+    while not adms[1].waiting:
+        await asyncio.sleep(0)
+    with pytest.raises(Rejected) as full:  # the lane's one queue place is taken, in worker 1
+        await adms[0].admit(lane, picker(0), lambda: True)
+    assert full.value.reason == "queue_full"
+    fleets[0].attempt_finished(r0, None)
+    adms[0].released(r0)  # frees a slot in worker 0: worker 1's waiter gets it
+    adms[0].finished(lane)
+    got = await asyncio.wait_for(waiter, 5)
+    assert got.url == "http://r0"
+    await asyncio.sleep(0)
+    assert w1.total(w1.row("r p http://r0")) == 2
+    assert (w0.mine(w0.row("r p http://r0")), w1.mine(w1.row("r p http://r0"))) == (0, 2)
+    assert r1 is not None
+
+
+def test_merge_sums_counters_and_held_gauges_and_takes_the_leaders_other_gauges() -> None:
+    regs = []
+    for worker, (served, held, version) in enumerate([(3, 1, 7), (5, 2, 6)]):
+        r = CollectorRegistry()
+        c = Counter("tokenlane_requests", "n", ["lane"], registry=r)
+        c.labels("a").inc(served)
+        if worker == 1:
+            c.labels("b").inc(1)  # a series only one worker has
+        Gauge("tokenlane_replica_in_flight", "h", ["replica"], registry=r).labels("x").set(held)
+        Gauge("tokenlane_policy_version", "v", registry=r).set(version)
+        regs.append(r)
+    merged = merge([families(r) for r in regs])
+    text = generate_latest(registry_of(merged)).decode()
+    assert 'tokenlane_requests_total{lane="a"} 8.0' in text
+    assert 'tokenlane_requests_total{lane="b"} 1.0' in text
+    assert 'tokenlane_replica_in_flight{replica="x"} 3.0' in text
+    assert "tokenlane_policy_version 7.0" in text  # the first (the leader's), not a sum
+    created = [line for line in text.splitlines() if line.startswith("tokenlane_requests_created")]
+    assert len(created) == 2  # one per series, a start time (the earliest), never a sum
+    assert all(float(line.split()[-1]) < 4e9 for line in created)
