@@ -30,4 +30,5 @@ EXPOSE 8080
 # replicas and is for the load balancer in front, not for restarting this container.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('TOKENLANE_SERVER__PORT', '8080') + '/health', timeout=2)"]
-CMD ["tokenlane", "serve", "--config", "/etc/tokenlane/policy.yaml"]
+# One worker per CPU the container may use (its cgroup quota, else its affinity).
+CMD ["tokenlane", "serve", "--config", "/etc/tokenlane/policy.yaml", "--workers", "auto"]

@@ -237,12 +237,12 @@ class Gateway:
     def adopt_sync(self, answer: Mapping[str, Any]) -> None:
         if answer.get("text") is not None:
             self.adopt(str(answer["text"]), int(answer["version"]))
-        replicas = list(self.fleet.replicas())
-        for item in answer.get("health", []):
-            apply_health(replicas, item)
         if self.view is not None:
             for raw in answer.get("records", []):
                 self.view.apply(ReplicaRecord(**raw))
+        replicas = list(self.fleet.replicas())
+        for item in answer.get("health", []):  # after the records: slow start goes on as it was
+            apply_health(replicas, item)
 
     def in_flight(self, replica: Replica) -> int:
         if self.link is None:

@@ -141,8 +141,9 @@ def test_secrets_become_environment_references(rendered: dict[str, list[dict[str
     assert "env" not in container(rendered["default"]) or not container(rendered["default"])["env"]
 
 
-def test_workers_flag_only_when_set(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    assert "--workers" not in container(rendered["default"])["args"]
+def test_workers_are_auto_unless_set(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    args = container(rendered["default"])["args"]
+    assert args[args.index("--workers") + 1] == "auto"
     args = container(rendered["production"])["args"]
     assert args[args.index("--workers") + 1] == "2"
 

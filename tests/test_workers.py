@@ -26,7 +26,8 @@ import yaml
 from loadtest.fake_upstream import MODEL, running
 from proxy.workers.mesh import ask, socket_path
 
-from .gateway import policy_for
+from .gateway import policy_for, running_gateway
+from .redis_server import running_redis
 from .servers import free_port
 from .waiting import wait_until
 
@@ -341,3 +342,39 @@ async def test_sigterm_drains_every_worker_then_the_serve_exits(tmp_path: Path) 
                 code = await asyncio.to_thread(serve.proc.wait, 60)
                 assert code == 0
                 assert _leftover(serve) == []
+
+
+async def test_workers_with_redis_share_with_another_instance(tmp_path: Path) -> None:
+    """With redis.url set each worker is also an instance of the Redis-shared gateway: a serve
+    of two workers and a second gateway agree on an ejection, and serve."""
+    with running_redis() as redis:
+        async with running(tokens=3) as up, running(tokens=3) as up2:
+            policy = policy_for(
+                {"p": [up.url, up2.url]},
+                redis={"url": redis.url, "timeout_ms": 2000, "heartbeat_s": 0.2, "ttl_s": 1.0},
+            )
+            async with serve_workers(policy, tmp_path) as serve:
+                async with running_gateway(policy) as (other_url, other):
+                    async with httpx.AsyncClient(timeout=30) as client:
+                        r = await client.post(
+                            other_url + "/admin/replicas/eject", json={"url": up2.url}
+                        )
+                        assert r.status_code == 200
+
+                        async def ejected_in_both_workers() -> bool:
+                            for w in (0, 1):
+                                answer = await serve.ask(w, {"ask": "sync"})
+                                assert answer is not None
+                                states = {x["url"]: x["state"] for x in answer["records"]}
+                                if states[up2.url] != "ejected":
+                                    return False
+                            return True
+
+                        await wait_until(ejected_in_both_workers, what="ejected in the serve")
+                        for _ in range(6):
+                            async with httpx.AsyncClient(timeout=30) as fresh:
+                                r = await fresh.post(serve.url + "/v1/chat/completions", json=CHAT)
+                                assert r.status_code == 200
+                        clients = [h for h in up2.stats.headers if "x-tokenlane-canary" not in h]
+                        assert clients == []
+                        assert other.gateway.shared.up

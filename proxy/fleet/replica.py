@@ -79,6 +79,7 @@ class Replica:
     reason: EjectReason | None = None  # why it is (or last was) out; None once healthy again
     in_flight: int = 0
     remote_in_flight: int = 0  # other gateway instances' in-flight to it (shared state, issue 7)
+    sibling_in_flight: int = 0  # the other workers' of this serve (``serve --workers``)
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> model card
     ejections: int = 0  # total, for the admin view
     ejected_until: float = 0.0
@@ -108,17 +109,20 @@ class Replica:
 
     @property
     def load(self) -> float:
-        """In-flight from this gateway (and from the others, with shared state) plus the
-        replica's own waiting queue.
+        """In-flight from this gateway (and from the others, with shared state or workers) plus
+        the replica's own waiting queue.
 
         A replica whose scrape is stale counts as busy (its full ``max_in_flight``), never as idle:
         a hung ``/metrics`` must not attract traffic. During slow start the figure is inflated
         so that the replica holds about ``weight`` of a warm peer's share.
         """
+        # With Redis each worker is an instance too: the (older) Redis figure includes the
+        # siblings, so the two are not added.
+        others = max(self.remote_in_flight, self.sibling_in_flight)
         if self.stats.stale and self.stats.at is not None:
-            raw: float = self.in_flight + self.remote_in_flight + self.config.max_in_flight
+            raw: float = self.in_flight + others + self.config.max_in_flight
         else:
-            raw = self.in_flight + self.remote_in_flight + self.stats.waiting
+            raw = self.in_flight + others + self.stats.waiting
         if self.weight < 1.0:
             return (raw + 1.0) / self.weight - 1.0
         return raw

@@ -234,7 +234,7 @@ class Admission:
         held = replica.in_flight + self._reserved.get(replica, 0)
         ledger = self.ledger
         if ledger is not None:
-            replica.remote_in_flight = others = ledger.others(replica_row(replica))
+            replica.sibling_in_flight = others = ledger.others(replica_row(replica))
             held += others
         return held < replica.config.max_in_flight
 

@@ -193,11 +193,17 @@ def health_item(replica: Replica) -> dict[str, Any]:
         "at": s.at,
         "stale": s.stale,
         "health_ok": replica.health_ok,
+        # What the leader's clock moves (``Fleet.tick``): the others do not tick.
+        "weight": replica.weight,
+        "level": replica.backoff_level,
+        "level_since": replica.level_since,
+        "healthy_since": replica.healthy_since,
     }
 
 
 def apply_health(replicas: list[Replica], item: Mapping[str, Any]) -> None:
-    """The leader's health round for one replica, as this worker's view of it."""
+    """The leader's health round for one replica, as this worker's view of it (the monotonic
+    clock is the host's, the same in every worker)."""
     for replica in replicas:
         if replica.url == item["url"] and replica.pool == item["pool"]:
             replica.models = dict(item["models"])
@@ -205,6 +211,11 @@ def apply_health(replicas: list[Replica], item: Mapping[str, Any]) -> None:
             replica.stats.at = item["at"]
             replica.stats.stale = bool(item["stale"])
             replica.health_ok = bool(item["health_ok"])
+            replica.weight = float(item["weight"])
+            replica.backoff_level = int(item["level"])
+            replica.level_since = float(item["level_since"])
+            since = item["healthy_since"]
+            replica.healthy_since = None if since is None else float(since)
 
 
 class WorkerLink:
