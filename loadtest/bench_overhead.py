@@ -12,6 +12,14 @@ configuration is repeated and the median printed.
   and on (on: every stream is eligible, so it asks for token ids, which the upstream sends as
   vLLM does, and the gateway parses every event and strips the ids).
 
+``--peer`` runs the same load through nginx (when installed), vllm-router (PyPI, installed
+into its own virtualenv on first use) and Tokenlane (and, with ``--workers N``, Tokenlane with
+N workers) in one run over the same two mocks, and prints one table: added TTFT p50 at
+concurrency 1, req/s and CPU ms per request at concurrency 64, CPU µs per relayed chunk and
+added ITL p99 of 256 paced streams. CPU is each gateway's whole process tree.
+
+``--workers N`` (without ``--peer``) runs the other modes' gateway with N workers.
+
 ``--tracing on|both`` runs the gateway with OpenTelemetry tracing on as well (exporting over
 OTLP/HTTP to a receiver in this process that answers every export with 200): the burst rows
 give the cost per request, a paced run (continuation off) the cost per chunk.
@@ -21,6 +29,7 @@ run at each concurrency is the ceiling of generator + upstream, printed beside t
 
     python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--mode burst|paced|both]
         [--continuation off|on|both] [--tracing off|on|both] [--json out.json]
+        [--peer] [--workers N]
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ from typing import Any
 
 import yaml
 
-from .procs import cpu_seconds, free_port, process, wait_http, wait_port
+from . import gateways, peers
+from .procs import free_port, process, tree_cpu_seconds, wait_http, wait_port
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
+WORKERS = 1  # --workers: the gateway's worker processes
 
 
 # ---------------------------------------------------------------------------- the client
@@ -94,8 +105,9 @@ class StreamClient(asyncio.Protocol):
         t = time.perf_counter()
         if not self.first_content and b'"content":" tok' in data:
             self.first_content = t
-        if self.record_arrivals and b'"content":" tok' in data:
-            self.arrivals.append(t)
+        if self.record_arrivals:
+            # Chunks that arrive in one read arrive together: each is counted, at that time.
+            self.arrivals.extend([t] * data.count(b'"content":" tok'))
         tail = self._tail + data
         if tail.endswith(b"0\r\n\r\n") and b"[DONE]" in tail[-64:]:
             self._tail = b""
@@ -151,7 +163,7 @@ async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None
     for c in clients:  # warm-up: connections and the gateway's pool
         await c.send(payload)
     result = BurstResult()
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
     start = time.perf_counter()
     deadline = start + seconds
 
@@ -167,14 +179,17 @@ async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None
 
     await asyncio.gather(*(worker(c) for c in clients))
     result.seconds = time.perf_counter() - start
-    result.cpu_s = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    result.cpu_s = (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
     for c in clients:
         assert c.transport is not None
         c.transport.close()
     return result
 
 
-async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float]:
+async def paced_run(port: int | list[int], streams: int, pid: int | None) -> dict[str, float]:
+    """``streams`` at once; given several ports (mocks, direct), spread over them evenly."""
+    ports = port if isinstance(port, list) else [port]
+    port = ports[0]
     payload = stream_request(port)
     warm = [await connect(port) for _ in range(8)]
     await asyncio.gather(*(c.send(payload) for c in warm))
@@ -183,13 +198,13 @@ async def paced_run(port: int, streams: int, pid: int | None) -> dict[str, float
         c.transport.close()
     # Connected after the warm-up, not before: a connection left idle through it may meet the
     # server's keep-alive timeout on a loaded machine, and the run would write to a closed one.
-    clients = [await connect(port) for _ in range(streams)]
+    clients = [await connect(ports[i % len(ports)]) for i in range(streams)]
     for c in clients:
         c.record_arrivals = True
         c.arrivals = []
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
     await asyncio.gather(*(c.send(payload) for c in clients))
-    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    cpu = (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
     gaps: list[float] = []
     chunks = 0
     for c in clients:
@@ -279,6 +294,8 @@ def fleet(
             "lanes": [{"name": "all", "pool": "p"}],
             "continuation": {"enabled": continuation},
         }
+        if WORKERS > 1:
+            policy["server"]["workers"] = WORKERS  # type: ignore[index]
         if REDIS_URL:
             policy["redis"] = {"url": REDIS_URL}
         env = None
@@ -306,6 +323,101 @@ def fleet(
         )
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
         yield ports, gw_port, gw.pid
+
+
+@contextlib.contextmanager
+def mock_processes(interval_ms: float) -> Iterator[tuple[list[int], list[int]]]:
+    """Two fake upstreams sending 64-token streams, ``interval_ms`` apart (0: one write);
+    yields their ports and pids."""
+    ports = [free_port(), free_port()]
+    pids = []
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            argv = [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(p)]
+            argv += ["--tokens", "64", "--interval-ms", str(interval_ms)]
+            pids.append(stack.enter_context(process(argv, stderr=None)).pid)
+            wait_port(p)
+        yield ports, pids
+
+
+@contextlib.contextmanager
+def mocks(interval_ms: float) -> Iterator[list[int]]:
+    with mock_processes(interval_ms) as (ports, _):
+        yield ports
+
+
+def run_peers(
+    seconds: float, repeat: int, workers: int, only: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every gateway over the same mocks, one after the other in this run (module docstring)."""
+    kinds: list[tuple[str, Any]] = [
+        ("nginx", gateways.nginx),
+        ("vllm-router", gateways.vllm_router),
+        ("tokenlane", gateways.tokenlane),
+    ]
+    if workers > 1:
+        kinds.append((f"tokenlane x{workers}", lambda ups: gateways.tokenlane(ups, workers)))
+    if only:
+        kinds = [k for k in kinds if k[0] in only]
+    rows: list[dict[str, Any]] = []
+    with mocks(0) as burst_ports, mocks(50) as paced_ports:
+        direct1 = median_of(
+            [
+                asyncio.run(burst_run(burst_ports[0], 1, seconds, None)).summary()
+                for _ in range(repeat)
+            ]
+        )
+        direct_paced = median_of(
+            [asyncio.run(paced_run(paced_ports, 256, None)) for _ in range(repeat)]
+        )
+        for name, start in kinds:
+            try:
+                with start(burst_ports) as g:
+                    c1 = [asyncio.run(burst_run(g.port, 1, seconds, g.pid)) for _ in range(repeat)]
+                    c64 = [
+                        asyncio.run(burst_run(g.port, 64, seconds, g.pid)) for _ in range(repeat)
+                    ]
+                with start(paced_ports) as g:
+                    paced = [asyncio.run(paced_run(g.port, 256, g.pid)) for _ in range(repeat)]
+            except peers.PeerUnavailable as exc:
+                rows.append({"gateway": name, "unavailable": str(exc)})
+                continue
+            one = median_of([r.summary() for r in c1])
+            many = median_of([r.summary() for r in c64])
+            p = median_of(paced)
+            rows.append(
+                {
+                    "gateway": name,
+                    "added_ttft_p50_ms_c1": one["ttft_p50_ms"] - direct1["ttft_p50_ms"],
+                    "rps_c64": many["rps"],
+                    "cpu_ms_per_req_c64": many["cpu_ms_per_req"],
+                    "cpu_us_per_chunk": p["cpu_us_per_chunk"],
+                    "added_itl_p99_ms": p["itl_p99_ms"] - direct_paced["itl_p99_ms"],
+                    "errors": one["errors"] + many["errors"],
+                }
+            )
+    return rows
+
+
+def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None:
+    print(
+        f"peers, one run, the same two mocks: burst {seconds:g}s runs and 256 paced streams"
+        f" (64 tokens, 50 ms apart), median of {repeat}"
+    )
+    print(
+        f"{'gateway':<14} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"
+        f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | err"
+    )
+    for r in rows:
+        if "unavailable" in r:
+            print(f"{r['gateway']:<14} | not run: {r['unavailable']}")
+            continue
+        print(
+            f"{r['gateway']:<14} | {r['added_ttft_p50_ms_c1']:>+10.2f} ms | {r['rps_c64']:>10.0f} |"
+            f" {r['cpu_ms_per_req_c64']:>10.3f} | {r['cpu_us_per_chunk']:>12.1f} |"
+            f" {r['added_itl_p99_ms']:>+5.2f} ms | {int(r['errors'])}"
+        )
+    print("(CPU: the gateway's whole process tree; +: over the same load sent to a mock direct)")
 
 
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -362,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--mode", choices=["burst", "paced", "both"], default="both")
     parser.add_argument("--redis-url", default=None, help="gateway shares state in this Redis")
+    parser.add_argument("--peer", action="store_true", help="nginx, vllm-router and Tokenlane")
+    parser.add_argument("--workers", type=int, default=1, help="Tokenlane's worker processes")
+    parser.add_argument(
+        "--only", action="append", default=None, help="with --peer: this gateway only (repeat)"
+    )
     parser.add_argument(
         "--continuation",
         choices=["off", "on", "both"],
@@ -377,8 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     tracings = {"off": [False], "on": [True], "both": [False, True]}[args.tracing]
-    global REDIS_URL
+    global REDIS_URL, WORKERS
     REDIS_URL = args.redis_url
+    WORKERS = args.workers
     try:
         import uvloop
 
@@ -386,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out: dict[str, Any] = {"cores": os.cpu_count(), "repeat": args.repeat}
+    if args.peer:
+        out["peers"] = run_peers(args.seconds, args.repeat, args.workers, args.only)
+        print_peers(out["peers"], args.seconds, args.repeat)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return 0
     if REDIS_URL:
         out["redis_url"] = REDIS_URL
         print(f"gateway with shared state in Redis at {REDIS_URL}")

@@ -109,6 +109,39 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (from /proc; those alive now)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out.extend(kids)
+                todo.extend(kids)
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and every live descendant (a supervisor's workers, nginx's), plus
+    what its children that already exited used (cutime + cstime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    total = sum(int(f) for f in fields[11:15]) / CLK_TCK
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(child)
+    return total
+
+
+def tree_rss_mb(pid: int) -> float:
+    total = rss_mb(pid)
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            total += rss_mb(child)
+    return total
+
+
 def rss_mb(pid: int) -> float:
     """The process's resident set size in MiB, from /proc/<pid>/status (0 if not reported)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -1,0 +1,270 @@
+"""Scaling with workers: paced streams offered at rising chunk rates, direct and through
+Tokenlane with 1 and N workers, in one run over the same mocks and the same load generator.
+
+Each stream is 64 tokens, one write per token, ``--interval-ms`` apart (50: 20 chunks/s a
+stream), so a rate of R chunks/s is R / 20 streams kept open: each client sends its next
+stream as soon as one ends, for ``--seconds``. Per rate and target the run prints the chunks/s
+delivered, the added inter-token latency (p50/p99/max, over the direct run at the same rate),
+the CPU per delivered chunk of every process (gateway tree, load generator, mocks) and the
+streams that failed (a connection lost or an answer without ``[DONE]``).
+
+On a machine with fewer cores than the load needs, the generator and mocks take cores from the
+gateway: a rate the machine cannot carry shows as delivered < offered and ITL rising, and the
+figure to judge scaling on is CPU per chunk (what a core buys), printed with what each rate
+leaves free. ``--hold`` also runs ``--hold-streams`` (1,000) streams held open for a minute
+(tokens every 250 ms) through N workers and prints the gateway's RSS per open stream.
+
+    python -m loadtest.bench_workers [--rates 5000,10000,20000,40000] [--workers 2]
+        [--seconds 10] [--hold] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import gateways
+from .bench_overhead import MODEL, StreamClient, connect, mock_processes, mocks, request_bytes
+from .procs import tree_cpu_seconds, tree_rss_mb
+
+
+
+def paced_request(port: int, tokens: int = 64) -> bytes:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": tokens,
+        }
+    ).encode()
+    return request_bytes(port, body)
+
+
+def own_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class RateResult:
+    streams: int = 0
+    failed: int = 0
+    chunks: int = 0
+    gaps_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        g = sorted(self.gaps_ms) or [float("nan")]
+        per = {k: 1e6 * v / self.chunks if self.chunks else 0.0 for k, v in self.cpu_s.items()}
+        return {
+            "streams": self.streams,
+            "failed": self.failed,
+            "chunks_per_s": self.chunks / self.seconds if self.seconds else 0.0,
+            "itl_p50_ms": g[len(g) // 2],
+            "itl_p99_ms": g[min(len(g) - 1, int(len(g) * 0.99))],
+            "itl_max_ms": g[-1],
+            "cpu_us_per_chunk": per,
+            "cores_busy": {k: v / self.seconds for k, v in self.cpu_s.items()},
+        }
+
+
+async def offered(
+    ports: list[int], concurrency: int, seconds: float, pids: dict[str, list[int]]
+) -> RateResult:
+    """``concurrency`` clients, each sending paced streams back to back for ``seconds``."""
+    result = RateResult()
+    clients: list[StreamClient] = []
+    for i in range(concurrency):
+        clients.append(await connect(ports[i % len(ports)]))
+    payloads = [paced_request(ports[i % len(ports)]) for i in range(concurrency)]
+    cpu0 = {name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()}
+    own0 = own_cpu_s()
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def client(c: StreamClient, payload: bytes) -> None:
+        c.record_arrivals = True
+        while time.perf_counter() < deadline:
+            c.arrivals = []
+            try:
+                await c.send(payload)
+            except ConnectionError:
+                result.failed += 1
+                return
+            a = c.arrivals  # send() returned: the stream ended with [DONE]
+            result.streams += 1
+            result.chunks += len(a)
+            result.gaps_ms.extend((a[i] - a[i - 1]) * 1000 for i in range(1, len(a)))
+
+    # Staggered starts: streams that all begin in one instant beat in step for their life.
+    async def staggered(i: int) -> None:
+        await asyncio.sleep((i % 50) * 0.001)
+        await client(clients[i], payloads[i])
+
+    await asyncio.gather(*(staggered(i) for i in range(concurrency)))
+    result.seconds = time.perf_counter() - start
+    result.cpu_s = {
+        name: sum(tree_cpu_seconds(p) for p in ps) - cpu0[name] for name, ps in pids.items()
+    }
+    result.cpu_s["generator"] = own_cpu_s() - own0
+    for c in clients:
+        if c.transport is not None:
+            c.transport.close()
+    return result
+
+
+def run_rates(
+    rates: list[int], workers: int, seconds: float, interval_ms: float
+) -> list[dict[str, Any]]:
+    per_stream = 1000.0 / interval_ms
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        ports, mock_pids = stack.enter_context(mock_processes(interval_ms))
+        targets: list[tuple[str, Any]] = [("direct", None), ("tokenlane", 1)]
+        if workers > 1:
+            targets.append((f"tokenlane x{workers}", workers))
+        for rate in rates:
+            concurrency = max(1, round(rate / per_stream))
+            row: dict[str, Any] = {"offered_chunks_per_s": rate, "streams_open": concurrency}
+            for name, n in targets:
+                pids: dict[str, list[int]] = {"mocks": mock_pids}
+                if n is None:
+                    res = asyncio.run(offered(ports, concurrency, seconds, pids))
+                else:
+                    with gateways.tokenlane(ports, n) as g:
+                        _warm(g.port)
+                        pids["gateway"] = [g.pid]
+                        res = asyncio.run(offered([g.port], concurrency, seconds, pids))
+                row[name] = res.summary()
+            rows.append(row)
+    return rows
+
+
+def _warm(port: int) -> None:
+    async def warm() -> None:
+        clients = [await connect(port) for _ in range(8)]
+        await asyncio.gather(*(c.send(paced_request(port, 2)) for c in clients))
+        for c in clients:
+            if c.transport is not None:
+                c.transport.close()
+
+    asyncio.run(warm())
+
+
+def run_hold(workers: int, streams: int, seconds: float) -> dict[str, Any]:
+    """``streams`` paced streams held open for ``seconds`` through ``workers`` workers."""
+    interval_ms = 250.0
+    tokens = int(seconds * 1000 / interval_ms)
+    with mocks(interval_ms) as ports, gateways.tokenlane(ports, workers) as g:
+        _warm(g.port)
+        idle_mb = tree_rss_mb(g.pid)
+        peak = [idle_mb]
+
+        async def hold() -> tuple[int, int]:
+            clients = [await connect(g.port) for _ in range(streams)]
+            payload = paced_request(g.port, tokens)
+            done = asyncio.Event()
+
+            async def sample() -> None:
+                while not done.is_set():
+                    peak[0] = max(peak[0], tree_rss_mb(g.pid))
+                    await asyncio.sleep(1.0)
+
+            sampler = asyncio.create_task(sample())
+            results = await asyncio.gather(
+                *(c.send(payload) for c in clients), return_exceptions=True
+            )
+            done.set()
+            await sampler
+            failed = sum(isinstance(r, BaseException) for r in results)
+            for c in clients:
+                if c.transport is not None:
+                    c.transport.close()
+            return streams - failed, failed
+
+        ok, failed = asyncio.run(hold())
+    return {
+        "workers": workers,
+        "streams": streams,
+        "seconds": seconds,
+        "ok": ok,
+        "failed": failed,
+        "rss_idle_mb": idle_mb,
+        "rss_peak_mb": peak[0],
+        "rss_kb_per_stream": 1024 * (peak[0] - idle_mb) / streams,
+    }
+
+
+def print_rates(rows: list[dict[str, Any]], seconds: float, interval_ms: float) -> None:
+    cores = os.cpu_count() or 1
+    print(
+        f"paced streams, 64 tokens {interval_ms:g} ms apart, {seconds:g}s per rate, {cores} cores"
+    )
+    print(
+        f"{'offered':>8} {'target':<14} | {'chunks/s':>8} | {'ITL p50':>7} {'p99':>7} {'max':>7}"
+        f" | {'+p99':>6} | {'us/chunk gw':>11} {'gen':>5} {'mocks':>5} | {'cores gw':>8}"
+        f" {'all':>5} | fail"
+    )
+    for row in rows:
+        direct = row["direct"]
+        for name, s in row.items():
+            if not isinstance(s, dict):
+                continue
+            per, busy = s["cpu_us_per_chunk"], s["cores_busy"]
+            added = s["itl_p99_ms"] - direct["itl_p99_ms"] if name != "direct" else 0.0
+            print(
+                f"{row['offered_chunks_per_s']:>8} {name:<14} | {s['chunks_per_s']:>8.0f} |"
+                f" {s['itl_p50_ms']:>7.1f} {s['itl_p99_ms']:>7.1f} {s['itl_max_ms']:>7.1f} |"
+                f" {added:>+6.1f} | {per.get('gateway', 0.0):>11.1f} {per['generator']:>5.1f}"
+                f" {per['mocks']:>5.1f} | {busy.get('gateway', 0.0):>8.2f}"
+                f" {sum(busy.values()):>5.2f} | {s['failed']}"
+            )
+    print(
+        "(us/chunk: CPU per delivered chunk; cores: CPU seconds per second; 'all' is gateway +"
+        " generator + mocks, of the machine's cores)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="5000,10000,20000,40000")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--interval-ms", type=float, default=50.0)
+    parser.add_argument("--hold", action="store_true", help="also hold --hold-streams a minute")
+    parser.add_argument("--hold-streams", type=int, default=1000)
+    parser.add_argument("--hold-seconds", type=float, default=60.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    rates = [int(r) for r in args.rates.split(",")]
+    out: dict[str, Any] = {"cores": os.cpu_count(), "workers": args.workers}
+    out["rates"] = run_rates(rates, args.workers, args.seconds, args.interval_ms)
+    print_rates(out["rates"], args.seconds, args.interval_ms)
+    if args.hold:
+        out["hold"] = h = run_hold(args.workers, args.hold_streams, args.hold_seconds)
+        print(
+            f"\nhold: {h['streams']} streams for {h['seconds']:g}s through {h['workers']} workers:"
+            f" {h['ok']} ended whole, {h['failed']} failed; gateway RSS {h['rss_idle_mb']:.0f} MB"
+            f" idle, {h['rss_peak_mb']:.0f} MB peak: {h['rss_kb_per_stream']:.1f} KB per stream"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
