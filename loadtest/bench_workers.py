@@ -33,8 +33,7 @@ from typing import Any
 
 from . import gateways
 from .bench_overhead import MODEL, StreamClient, connect, mock_processes, mocks, request_bytes
-from .procs import tree_cpu_seconds, tree_rss_mb
-
+from .procs import descendants, tree_cpu_seconds, tree_rss_mb
 
 
 def paced_request(port: int, tokens: int = 64) -> bytes:
@@ -205,6 +204,82 @@ def run_hold(workers: int, streams: int, seconds: float) -> dict[str, Any]:
     }
 
 
+def run_propagation(workers: int, rounds: int) -> dict[str, Any]:
+    """How long an operator's ejection, asked of any worker, takes to reach every worker: the
+    admin call's start to the moment each worker's own state (asked over its socket) shows it."""
+    from proxy.workers.mesh import ask, socket_path
+
+    async def states(rundir: str, url: str) -> list[str | None]:
+        out: list[str | None] = []
+        for w in range(workers):
+            answer = await ask(socket_path(rundir, w), {"ask": "sync"}, 2.0)
+            rec = [r for r in (answer or {}).get("records", []) if r["url"] == url]
+            out.append(rec[0]["state"] if rec else None)
+        return out
+
+    async def measure(port: int, rundir: str, url: str) -> list[float]:
+        import httpx
+
+        took = []
+        async with httpx.AsyncClient(timeout=10) as client:
+            for _ in range(rounds):
+                while await states(rundir, url) != ["healthy"] * workers:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)  # another process's state: nothing to await
+                start = time.perf_counter()
+                await client.post(
+                    f"http://127.0.0.1:{port}/admin/replicas/eject", json={"url": url}
+                )
+                while await states(rundir, url) != ["ejected"] * workers:
+                    pass
+                took.append((time.perf_counter() - start) * 1000)
+                await client.post(
+                    f"http://127.0.0.1:{port}/admin/replicas/readmit", json={"url": url}
+                )
+        return sorted(took)
+
+    with mocks(0) as ports, gateways.tokenlane(ports, workers) as g:
+        rundir = _rundir(g.pid)
+        took = asyncio.run(measure(g.port, rundir, f"http://127.0.0.1:{ports[0]}"))
+    return {"rounds": rounds, "p50_ms": took[len(took) // 2], "max_ms": took[-1]}
+
+
+def run_scrape_cost(workers: int, scrapes: int = 50) -> dict[str, Any]:
+    """A /metrics scrape's time and the serve's CPU for it, with one worker and with N (where
+    the answering worker asks the others and merges)."""
+    import urllib.request
+
+    out: dict[str, Any] = {}
+    with mocks(0) as ports:
+        for n in sorted({1, workers}):
+            with gateways.tokenlane(ports, n) as g:
+                url = f"http://127.0.0.1:{g.port}/metrics"
+                times = []
+                cpu0 = tree_cpu_seconds(g.pid)
+                for _ in range(scrapes):
+                    start = time.perf_counter()
+                    with urllib.request.urlopen(url, timeout=10) as r:
+                        size = len(r.read())
+                    times.append((time.perf_counter() - start) * 1000)
+                cpu = tree_cpu_seconds(g.pid) - cpu0
+                times.sort()
+                out[str(n)] = {
+                    "p50_ms": times[len(times) // 2],
+                    "max_ms": times[-1],
+                    "cpu_ms": 1000 * cpu / scrapes,
+                    "bytes": size,
+                }
+    return out
+
+
+def _rundir(supervisor_pid: int) -> str:
+    """The serve's run directory, from its first worker's command line."""
+    for pid in descendants(supervisor_pid):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--rundir" in args:
+            return args[args.index(b"--rundir") + 1].decode()
+    raise RuntimeError("no worker with a run directory")
+
+
 def print_rates(rows: list[dict[str, Any]], seconds: float, interval_ms: float) -> None:
     cores = os.cpu_count() or 1
     print(
@@ -244,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", action="store_true", help="also hold --hold-streams a minute")
     parser.add_argument("--hold-streams", type=int, default=1000)
     parser.add_argument("--hold-seconds", type=float, default=60.0)
+    parser.add_argument("--propagation", type=int, default=20, help="ejection rounds (0: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     with contextlib.suppress(ImportError):
@@ -254,6 +330,19 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"cores": os.cpu_count(), "workers": args.workers}
     out["rates"] = run_rates(rates, args.workers, args.seconds, args.interval_ms)
     print_rates(out["rates"], args.seconds, args.interval_ms)
+    if args.propagation and args.workers > 1:
+        out["propagation"] = p = run_propagation(args.workers, args.propagation)
+        print(
+            f"\nan operator's ejection reaching all {args.workers} workers ({p['rounds']} rounds,"
+            f" from the admin call's start): p50 {p['p50_ms']:.1f} ms, max {p['max_ms']:.1f} ms"
+        )
+    if args.workers > 1:
+        out["scrape"] = sc = run_scrape_cost(args.workers)
+        for n, c in sc.items():
+            print(
+                f"/metrics with {n} worker(s): p50 {c['p50_ms']:.1f} ms, max {c['max_ms']:.1f} ms,"
+                f" {c['cpu_ms']:.1f} ms of CPU per scrape, {c['bytes']} bytes"
+            )
     if args.hold:
         out["hold"] = h = run_hold(args.workers, args.hold_streams, args.hold_seconds)
         print(

@@ -190,8 +190,9 @@ class Gateway:
         text it accepted (this one adopts it from the answer too), or refuses it for all."""
         assert self.link is not None
         answer = await self.link.ask_leader_reload()
-        if answer is None:
-            raise PolicyError(["the leader worker did not answer; the policy is unchanged"])
+        if answer is None or "error" in answer:
+            why = "did not answer" if answer is None else f"answered: {answer['error']}"
+            raise PolicyError([f"the leader worker {why}; the policy is unchanged"])
         if not answer.get("ok"):
             raise PolicyError([str(p) for p in answer.get("problems", [])])
         self.adopt(str(answer["text"]), int(answer["version"]))
