@@ -281,21 +281,8 @@ def fleet(
                 )
             )
             wait_port(p)
-        policy = {
-            "server": {"host": "127.0.0.1", "port": gw_port},
-            "pools": {
-                "p": {
-                    "balance": "least_loaded",
-                    "replicas": [
-                        {"url": f"http://127.0.0.1:{p}", "max_in_flight": 1024} for p in ports
-                    ],
-                }
-            },
-            "lanes": [{"name": "all", "pool": "p"}],
-            "continuation": {"enabled": continuation},
-        }
-        if WORKERS > 1:
-            policy["server"]["workers"] = WORKERS  # type: ignore[index]
+        policy = gateways.tokenlane_policy(gw_port, ports, WORKERS)
+        policy["continuation"] = {"enabled": continuation}
         if REDIS_URL:
             policy["redis"] = {"url": REDIS_URL}
         env = None

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -34,7 +35,7 @@ class Running:
     pid: int  # the process whose tree's CPU is the gateway's
 
 
-def tokenlane_policy(port: int, upstreams: list[int], workers: int) -> dict[str, object]:
+def tokenlane_policy(port: int, upstreams: list[int], workers: int) -> dict[str, Any]:
     server: dict[str, object] = {"host": "127.0.0.1", "port": port}
     if workers != 1:
         server["workers"] = workers

@@ -59,6 +59,15 @@ class Serve:
                     total += value
         return total
 
+    async def everywhere(self, url: str, state: str) -> bool:
+        """Every worker's own view has the replica at ``url`` in ``state``."""
+        for w in (0, 1):
+            answer = await self.ask(w, {"ask": "sync"})
+            assert answer is not None
+            if {x["url"]: x["state"] for x in answer["records"]}[url] != state:
+                return False
+        return True
+
     def worker_pids(self) -> list[int]:
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
         return [int(p) for p in path.read_text().split()]
@@ -295,16 +304,10 @@ async def test_reloads_operator_actions_and_rate_limits_hold_for_every_worker(
                 r = await client.post(serve.url + "/admin/replicas/eject", json={"url": up2.url})
                 assert r.status_code == 200
 
-                async def ejected_everywhere() -> bool:
-                    for w in (0, 1):
-                        answer = await serve.ask(w, {"ask": "sync"})
-                        assert answer is not None
-                        states = {x["url"]: x["state"] for x in answer["records"]}
-                        if states[up2.url] != "ejected":
-                            return False
-                    return True
-
-                await wait_until(ejected_everywhere, what="the ejection in both workers")
+                await wait_until(
+                    lambda: serve.everywhere(up2.url, "ejected"),
+                    what="the ejection in both workers",
+                )
 
                 # The key's 6 requests a minute are the gateway's: over fresh connections
                 # (spread over both workers) exactly 6 pass.
@@ -361,16 +364,10 @@ async def test_workers_with_redis_share_with_another_instance(tmp_path: Path) ->
                         )
                         assert r.status_code == 200
 
-                        async def ejected_in_both_workers() -> bool:
-                            for w in (0, 1):
-                                answer = await serve.ask(w, {"ask": "sync"})
-                                assert answer is not None
-                                states = {x["url"]: x["state"] for x in answer["records"]}
-                                if states[up2.url] != "ejected":
-                                    return False
-                            return True
-
-                        await wait_until(ejected_in_both_workers, what="ejected in the serve")
+                        await wait_until(
+                            lambda: serve.everywhere(up2.url, "ejected"),
+                            what="ejected in the serve",
+                        )
                         for _ in range(6):
                             async with httpx.AsyncClient(timeout=30) as fresh:
                                 r = await fresh.post(serve.url + "/v1/chat/completions", json=CHAT)
