@@ -39,13 +39,15 @@ def _worker(args: argparse.Namespace) -> int:
     from proxy.workers.link import WorkerPlace
 
     overrides = {"server.host": args.host, "server.workers": 1}
+    place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
+    # A restarted worker starts from the text the leader runs, not the file as it is now.
+    source = place.policy_path if os.path.exists(place.policy_path) else args.config
     try:
-        policy = load_policy(args.config, overrides=overrides)
+        policy = load_policy(source, overrides=overrides)
     except PolicyError as exc:
-        _print_problems(args.config, exc)
+        _print_problems(source, exc)
         return 1
     sock = socket.socket(fileno=args.fd)
-    place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
     return serve_worker(
         policy, policy_path=str(args.config), place=place, sock=sock, log_level=args.log_level
     )

@@ -90,7 +90,11 @@ class Gateway:
         # One of several workers of a serve (``--workers``): its link to the others.
         self.link = link
         self.leader = link is None or link.place.leader
-        self.policy_text = _read(policy_path) if policy_path is not None else None
+        # The text this process runs: a restarted worker's is the leader's (what it loaded).
+        source = policy_path
+        if link is not None and os.path.exists(link.place.policy_path):
+            source = link.place.policy_path
+        self.policy_text = _read(source) if source is not None else None
         self.discovery = Discovery()
         self._reload_lock = asyncio.Lock()
         self._policy_hash: bytes | None = None
@@ -327,7 +331,8 @@ class Gateway:
         self.view = FleetView(self.fleet, self.shared)
         await self.shared.start(self.view)
         if self.link is not None:
-            await self.link.start(self)  # takes over the fleet's state from a running worker
+            # Takes over the fleet's state (and policy version) from a running worker.
+            await self.link.start(self, self.policy_text)
         if self.leader:  # the workers' leader probes for all of them
             await self.health.start()
         self._tasks = [asyncio.create_task(self._discover())]

@@ -44,7 +44,9 @@ class Serve:
     config: Path
 
     async def ask(self, worker: int, message: dict[str, Any]) -> dict[str, Any] | None:
-        return await ask(socket_path(self.rundir, worker), message, 5.0)
+        """The worker's answer; None while it is down or still starting."""
+        answer = await ask(socket_path(self.rundir, worker), message, 5.0)
+        return None if answer is None or "error" in answer else answer
 
     async def worker_metric(self, worker: int, name: str, **labels: str) -> float:
         """One worker's own value of a sample (0 when it has none)."""
@@ -288,6 +290,18 @@ async def test_reloads_operator_actions_and_rate_limits_hold_for_every_worker(
                 serve.config.write_text("pools: [not, a, mapping]\n")
                 r = await client.post(serve.url + "/admin/reload")
                 assert r.status_code == 422
+                assert await versions() == [2, 2]
+                # A worker that restarts while the file is broken starts from what the
+                # leader runs (version 2), not from the file.
+                answer = await serve.ask(1, {"ask": "sync"})
+                assert answer is not None
+                os.kill(answer["pid"], signal.SIGKILL)
+
+                async def back_at_2() -> bool:
+                    again = await serve.ask(1, {"ask": "sync"})
+                    return again is not None and again["pid"] != answer["pid"]
+
+                await wait_until(back_at_2, what="worker 1 restarted", timeout=60)
                 assert await versions() == [2, 2]
                 serve.config.write_text(yaml.safe_dump(policy))
                 # SIGHUP to the supervisor: the leader reloads for all.

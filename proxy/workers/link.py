@@ -59,6 +59,12 @@ class WorkerPlace:
     def board_path(self) -> str:
         return os.path.join(self.rundir, "board")
 
+    @property
+    def policy_path(self) -> str:
+        """The policy text the leader runs now: what a worker that (re)starts loads, so a
+        file broken since the last reload cannot keep it from starting."""
+        return os.path.join(self.rundir, "policy.yaml")
+
 
 class HomesHolder(Protocol):
     homes: ResponseHomes
@@ -228,15 +234,19 @@ class WorkerLink:
         self.mesh = Mesh(place.rundir, place.index, place.count, self._news, self._ask)
         self.gateway: LinkedGateway | None = None
         self.state: MeshState | None = None
+        self.synced = False  # questions wait for this: a starting worker knows nothing yet
 
     def shared_state(self, instance: str) -> MeshState:
         self.state = MeshState(self, instance)
         return self.state
 
-    async def start(self, gateway: LinkedGateway) -> None:
+    async def start(self, gateway: LinkedGateway, policy_text: str | None) -> None:
         self.gateway = gateway
         await self.mesh.start()
         await self._sync()
+        self.synced = True
+        if self.place.leader and policy_text is not None:
+            self.keep_policy(policy_text)
 
     async def stop(self) -> None:
         await self.mesh.stop()
@@ -252,7 +262,15 @@ class WorkerLink:
         self.mesh.tell_all({"t": "health", "item": health_item(replica)})
 
     def policy_swapped(self, text: str, version: int) -> None:
+        self.keep_policy(text)
         self.mesh.tell_all({"t": "policy", "text": text, "version": version})
+
+    def keep_policy(self, text: str) -> None:
+        """The leader's: write the text it runs where restarting workers read it (whole)."""
+        tmp = self.place.policy_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, self.place.policy_path)
 
     async def ask_leader_reload(self) -> Message | None:
         return await self.mesh.ask(0, {"ask": "reload"}, ASK_TIMEOUT_S * 5)
@@ -281,7 +299,7 @@ class WorkerLink:
 
     async def _ask(self, message: Message) -> Message:
         gw = self.gateway
-        if gw is None:
+        if gw is None or not self.synced:
             return {"error": "starting"}
         kind = message.get("ask")
         if kind == "metrics":
