@@ -118,7 +118,7 @@ class Guard:
         if not self.keys.enabled:
             return None
         # Anthropic's clients send their key as ``x-api-key``: a key is a key in either header
-        # (neither is ever relayed: ``relay.DROP_UPSTREAM``).
+        # (neither is ever relayed: ``relay.relay.DROP_UPSTREAM``).
         value = api_key = None
         for k, v in headers:
             if k == b"authorization":

@@ -1,4 +1,8 @@
-"""The upstream side of a request: attempts, retries, and the stream relay.
+"""The upstream side of a request: its attempts and the retry loop around them.
+
+One job, in about 500 lines: an attempt's life (pick, request, watchdog, the fault it meets,
+judged in one place) and the loop that retries it. The answer's way to the client is
+``proxy.relay.respond``; the choice of a replica is ``proxy.routing.pick``.
 
 One upstream client (``proxy.relay.upstream``, the only module that knows what is under it)
 carries every request. Each client request
@@ -19,11 +23,10 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
-from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
 from proxy.errors import (
     AttemptFault,
     FailureKind,
@@ -31,7 +34,6 @@ from proxy.errors import (
     Rejected,
     RetryableFailure,
     ShuttingDown,
-    StreamCut,
     UpstreamBusy,
     UpstreamClosed,
     UpstreamError,
@@ -40,12 +42,12 @@ from proxy.errors import (
     sse_error_event,
 )
 from proxy.fleet import detect
-from proxy.fleet.fleet import Fleet, Pool, Replica
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
-from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.homes import ResponseHomes
+from proxy.relay.respond import HOP_BY_HOP, Responder
 from proxy.relay.resume import Resumer
 from proxy.relay.retry import (
     Action,
@@ -58,14 +60,11 @@ from proxy.relay.retry import (
 )
 from proxy.relay.upstream import (
     UpstreamClient,
-    at_eof,
     make_client,
-    raw_chunks,
     timeout_extension,
 )
-from proxy.routing import balance, cache_aware
 from proxy.routing.admission import Admission
-from proxy.routing.profile import affinity_key
+from proxy.routing.pick import Picker
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -74,20 +73,12 @@ if TYPE_CHECKING:
 
 now = time.perf_counter
 
-# Hop-by-hop headers (RFC 9110 7.6.1): about one connection, never relayed either way.
-HOP_BY_HOP = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
-     b"trailer", b"upgrade"}
-)  # fmt: skip
 # Not forwarded upstream: hop-by-hop, what the upstream client sets itself, and the client's
 # own credentials (a replica has its own key; a client's key must never reach it).
 DROP_UPSTREAM = HOP_BY_HOP | {
     b"host", b"content-length", b"expect", b"x-request-id",
     b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
 }  # fmt: skip
-# Not relayed back: hop-by-hop, and what the ASGI server or the gateway sets itself.
-_DROP_DOWNSTREAM = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
-_DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
 
 # Statuses the retry rules look at before anything is relayed.
 _STATUS_FAULTS = {
@@ -144,6 +135,8 @@ class Relay:
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
+        self.picker = Picker(fleet, admission, metrics, policy, self.rng)
+        self.responder = Responder(metrics, policy, tracer, self.homes)
         # Finishing a stream on another replica when its own fails mid-answer.
         self.resumer = Resumer(
             admission=admission,
@@ -153,9 +146,9 @@ class Relay:
             transport=self.transport,
             pick=self.try_pick,
             timeout=self._timeout,
-            response_start=self._response_start,
-            send_start=self._send_start,
-            end_with_error=self._end_stream_with_error,
+            response_start=self.responder.response_start,
+            send_start=self.responder.send_start,
+            end_with_error=self.responder.end_stream_with_error,
             tracer=tracer,
         )
 
@@ -184,84 +177,13 @@ class Relay:
     def _shutting_down(call: Call) -> ShuttingDown:
         return ShuttingDown(call.cut or "the gateway is shutting down")
 
-    # -- picking ---------------------------------------------------------------------------
+    # -- picking (``proxy.routing.pick``) ------------------------------------------------------
 
     def try_pick(self, call: Call) -> Replica | None:
-        """A replica of the lane's pool, else of its ``spill_to`` pool, that can take the
-        request now: healthy, serving the model, below its limit, not tried yet. A pinned
-        request (``Call.pinned``) has one replica or none."""
-        lane = call.lane
-        fleet = self.fleet
-        has_room = self.admission.has_room  # counts slots handed to queued requests
-        if call.pinned is not None:
-            home = self._pinned_candidate(call)
-            if home is None or not has_room(home) or home in call.tried:
-                return None
-            return home if self.admission.claim(home) else None
-        for pool_name in (lane.pool, lane.spill_to):
-            # A request keeps the lane it started with; a reload may have removed its pool.
-            if pool_name is None:
-                continue
-            pool = fleet.pools.get(pool_name)
-            if pool is None:
-                continue
-            cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
-            choice = None
-            while cands:
-                choice = self._choose(pool, pool_name, cands, call)
-                # With workers, another worker may have taken the slot since has_room.
-                if choice is None or self.admission.claim(choice):
-                    break
-                cands.remove(choice)
-                choice = None
-            if not cands:
-                continue
-            if not call.tried:  # round robin advances once per request, not per retry
-                pool.rr_counter += 1
-            if choice is not None:
-                if pool_name != lane.pool:
-                    self.metrics.spills.labels(lane.name, lane.pool, pool_name).inc()
-                return choice
-        return None
-
-    def _choose(
-        self, pool: Pool, pool_name: str, cands: list[Replica], call: Call
-    ) -> Replica | None:
-        cfg = pool.config
-        if cfg.balance == "cache_aware":
-            chars = self.policy().estimate.chars_per_token
-            return cache_aware.pick(
-                self.fleet, self.metrics, chars, pool_name, cands, call, self.rng
-            )
-        key = None
-        if cfg.balance == "prefix_affinity" and call.profile is not None:
-            key = affinity_key(call.profile, cfg.prefix_chars)
-        return balance.pick(
-            cfg.balance,
-            cands,
-            key=key,
-            rng=self.rng,
-            rr_index=pool.rr_counter,
-            bounded_load=cfg.bounded_load,
-        )
+        return self.picker.try_pick(call)
 
     def any_serving(self, call: Call) -> bool:
-        fleet = self.fleet
-        if call.pinned is not None:
-            return self._pinned_candidate(call) is not None
-        lane = call.lane
-        pools = fleet.pools
-        return any(
-            pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p in pools
-        )
-
-    def _pinned_candidate(self, call: Call) -> Replica | None:
-        """The replica ``call`` is pinned to, while it is one its pool would pick from."""
-        for pool in self.fleet.pools.values():
-            for replica in pool.candidates(call.model):
-                if replica.url == call.pinned:
-                    return replica
-        return None
+        return self.picker.any_serving(call)
 
     # -- the request -----------------------------------------------------------------------
 
@@ -505,7 +427,7 @@ class Relay:
         """Act on a judged fault: end the client's stream, or raise ``RetryableFailure``."""
         if verdict.action is Action.END_STREAM:
             self.resumer.not_continued(call, self.policy())
-            await self._end_stream_with_error(call, send, detail)
+            await self.responder.end_stream_with_error(call, send, detail)
             return
         if verdict.spends_after_send:
             call.retried_after_send = True
@@ -552,255 +474,11 @@ class Relay:
             if call.continuation is not None:
                 await self.resumer.relay(call, attempt, response, send, watchdog)
             else:
-                await self._relay_stream(call, attempt, response, send, watchdog)
+                await self.responder.relay_stream(call, attempt, response, send, watchdog)
         elif call.kind == "other":
-            await self._relay_passthrough(call, attempt, response, send, watchdog)
+            await self.responder.relay_passthrough(call, attempt, response, send, watchdog)
         else:
-            await self._relay_whole(call, attempt, response, send, watchdog)
-
-    def _response_start(self, call: Call, response: httpx.Response, status: int) -> dict[str, Any]:
-        # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
-        drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
-        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
-        headers.append((b"x-request-id", call.request_id.encode()))
-        if call.extra_headers:
-            headers += call.extra_headers
-        if self.policy().server.response_headers:
-            headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
-            if call.replica is not None:
-                headers.append((b"x-tokenlane-replica", call.replica.name.encode()))
-        return {"type": "http.response.start", "status": status, "headers": headers}
-
-    async def _relay_whole(
-        self,
-        call: Call,
-        attempt: Attempt,
-        response: httpx.Response,
-        send: Send,
-        watchdog: asyncio.Timeout,
-    ) -> None:
-        """A plain chat or completion response (or an error status): read it whole (its usage
-        is parsed), then send it unchanged."""
-        # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
-        # the headers still announce (with the compressed Content-Length).
-        body = b"".join([part async for part in raw_chunks(response)])
-        watchdog.reschedule(None)  # from here on the client has bytes: no retry
-        attempt.last_progress = time.monotonic()
-        call.status = response.status_code
-        if call.status >= 400:
-            call.error_origin = "replica"  # the replica's own answer, relayed
-        if call.status == 200 and call.kind != "other":
-            with contextlib.suppress(ValueError):
-                answer = sse.decode_json(body)
-                call.usage = sse.usage_of(answer)
-                call.finish_reasons = sse.finish_reasons_of(answer)
-                if call.kind == "responses":
-                    self._remember(answer, attempt.replica)
-        call.started = True
-        attempt.phase = Phase.CONTENT
-        await self._send_start(
-            call, send, self._response_start(call, response, call.status), body, False
-        )
-        call.ttft_s = now() - call.received_at
-
-    async def _relay_passthrough(
-        self,
-        call: Call,
-        attempt: Attempt,
-        response: httpx.Response,
-        send: Send,
-        watchdog: asyncio.Timeout,
-    ) -> None:
-        """A pass-through response (embeddings, audio, tokenize...): unchanged, as it comes.
-
-        The start goes out as soon as the replica's status line and headers have arrived (a
-        retried status never gets here), then each raw chunk as it is read: a streamed
-        transcription reaches the client event by event. Nothing is parsed or held.
-
-        The raw bytes are the body the replica framed, so its Content-Length stays true and is
-        kept: the client can tell a cut body from a whole one, and uvicorn writes the bytes
-        without re-framing them. An SSE answer is a stream like a chat stream: re-framed
-        chunked, and a failure ends it with an in-band error event (``_end_stream_with_error``),
-        which a fixed length would not allow."""
-        watchdog.reschedule(None)  # from here on the client has bytes: no retry
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            call.stream = True
-        call.status = response.status_code
-        if call.status >= 400:
-            call.error_origin = "replica"  # the replica's own answer, relayed
-        call.started = True
-        attempt.phase = Phase.CONTENT
-        attempt.last_progress = time.monotonic()
-        await send(self._response_start(call, response, call.status))
-        async for chunk in raw_chunks(response):
-            attempt.last_progress = time.monotonic()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if call.ttft_s is None:
-                call.ttft_s = now() - call.received_at
-            call.content_chunks += 1
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if call.ttft_s is None:
-            call.ttft_s = now() - call.received_at
-
-    async def _relay_stream(
-        self,
-        call: Call,
-        attempt: Attempt,
-        response: httpx.Response,
-        send: Send,
-        watchdog: asyncio.Timeout,
-    ) -> None:
-        lane = call.lane
-        chunks = raw_chunks(response)
-        held: list[bytes] = []
-        events = sse.EventBuffer()
-        found = False
-        ended = False
-        learn = call.kind == "responses"  # its response.created names the stored response
-        # Hold everything until the first chunk with content (or the end of the stream), under
-        # the attempt's first-token watchdog.
-        async for chunk in chunks:
-            attempt.last_progress = time.monotonic()
-            held.append(chunk)
-            # Parse events only up to the first with content: after it nothing is inspected
-            # (a burst of a whole stream in one read costs one parse).
-            for event in events.feed(chunk):
-                obj = sse.parse_event(event)
-                if obj is sse.DONE:
-                    ended = True
-                    break
-                if sse.is_error(obj):
-                    raise AttemptFault(
-                        Fault.ERROR_EVENT,
-                        f"{attempt.replica.name} failed before the first token: "
-                        f"{sse.error_message(obj)}",
-                    )
-                if sse.carries_content(obj):
-                    found = True
-                    break
-                if learn and self._remember(obj, attempt.replica):
-                    learn = False
-            if found or ended:
-                break
-        watchdog.reschedule(None)  # from here on the client has bytes: no retry
-        metrics = self.metrics
-        call.status = 200
-        call.started = True
-        attempt.phase = Phase.CONTENT if found else Phase.STARTED
-        body = held[0] if len(held) == 1 else b"".join(held)
-        # A stream that ended within the held chunks (one burst) goes out whole, its end in
-        # the same write.
-        cut_short = False
-        if not ended:
-            ended = at_eof(response)
-            # The whole stream in the held reads, without its end: the replica closed early.
-            cut_short = ended and not sse.stream_complete(call.kind, body)
-        await self._send_start(
-            call, send, self._response_start(call, response, 200), body, not ended or cut_short
-        )
-        t = now()
-        if found:
-            call.ttft_s = t - call.received_at
-            call.content_chunks = 1
-        # The stream's last bytes, for its usage (when the client asked for it) and, while
-        # tracing, its finish reasons; nothing is kept otherwise.
-        keep_tail = call.wants_usage or self.tracer is not None
-        tail = body[-2048:] if keep_tail else b""
-        # A Responses stream's usage is in its last event, which repeats the whole answer:
-        # only the whole stream is sure to hold that event's start (kept as parts, joined once).
-        whole: list[bytes] | None = [body] if call.kind == "responses" else None
-        itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
-        before = last = body  # the last two reads: the stream's end may straddle them
-        if not ended:
-            async for chunk in chunks:
-                attempt.last_progress = time.monotonic()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                before, last = last, chunk
-                t2 = now()
-                if not found:
-                    found = True
-                    attempt.phase = Phase.CONTENT
-                    call.ttft_s = t2 - call.received_at
-                else:
-                    itl.observe(t2 - t)
-                t = t2
-                call.content_chunks += 1
-                if keep_tail:
-                    if whole is None:
-                        tail = (tail + chunk)[-2048:]
-                    else:
-                        whole.append(chunk)
-            cut_short = not sse.stream_complete(call.kind, before[-256:] + last)
-            if not cut_short:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if cut_short:
-            # vLLM always ends a stream with its end event: one that stops without it was cut
-            # (the replica closed early), and the client is told so, never left with a stream
-            # that looks whole.
-            await self._end_stream_with_error(
-                call, send, f"replica {attempt.replica.name} ended the stream early"
-            )
-        if whole is not None:
-            tail = b"".join(whole)
-        if tail:
-            if call.wants_usage:
-                call.usage = sse.last_usage(tail)
-            if self.tracer is not None:
-                call.finish_reasons = sse.last_finish_reasons(tail)
-
-    def _remember(self, answer: Any, replica: Replica) -> bool:
-        """Learn where a created response lives, from its object or a stream's
-        ``response.created`` event; True when it named one."""
-        rid = sse.response_id(answer)
-        if rid is None:
-            return False
-        self.homes.remember(rid, replica.url)
-        return True
-
-    @staticmethod
-    async def _send_start(
-        call: Call, send: Send, start: dict[str, Any], body: bytes, more_body: bool
-    ) -> None:
-        """The response start and its first body: one message (one socket write) where the
-        server takes ``START_WITH_BODY``, else the usual two."""
-        if call.start_with_body:
-            start[START_BODY] = body
-            start[START_MORE_BODY] = more_body
-            await send(start)
-        else:
-            await send(start)
-            await send({"type": "http.response.body", "body": body, "more_body": more_body})
-
-    async def _end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
-        call.error = message
-        call.error_origin = "replica"  # a replica's fault, told in-band by the gateway
-        if call.kind == "other" and not call.stream:
-            # A pass-through body that is not a stream cannot carry an error: it is left
-            # incomplete, so the ASGI server closes the connection (without the final chunk,
-            # or short of its Content-Length) and the client sees it cut, not whole.
-            return
-        if not call.started:
-            # Nothing sent yet: an SSE stream is still what the client asked for.
-            call.started = True
-            call.status = 200
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"text/event-stream; charset=utf-8"),
-                        (b"x-request-id", call.request_id.encode()),
-                        *call.extra_headers,
-                    ],
-                }
-            )
-        await send(
-            {
-                "type": "http.response.body",
-                "body": sse_error_event(StreamCut(message), call.dialect),
-                "more_body": False,
-            }
-        )
+            await self.responder.relay_whole(call, attempt, response, send, watchdog)
 
 
 def query_text(raw: bytes) -> str:

@@ -1,0 +1,308 @@
+"""How an upstream answer reaches the client: the response start (headers relayed and added),
+a whole answer, a pass-through body, a stream (held until its first content, then chunk by
+chunk), and the in-band error event that ends a stream the gateway must end.
+
+The relay (``proxy.relay.relay``) decides which of these an attempt's answer gets and owns the
+attempt around it; nothing here retries or judges a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
+from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
+from proxy.fleet.fleet import Replica
+from proxy.observe.metrics import Metrics
+from proxy.observe.tracing import Tracer
+from proxy.relay import sse
+from proxy.relay.call import Attempt, Call
+from proxy.relay.homes import ResponseHomes
+from proxy.relay.retry import Phase
+from proxy.relay.upstream import at_eof, raw_chunks
+
+if TYPE_CHECKING:
+    from starlette.types import Send
+
+    from proxy.config import Policy
+
+now = time.perf_counter
+
+# Hop-by-hop headers (RFC 9110 7.6.1): about one connection, never relayed either way.
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te",
+     b"trailer", b"upgrade"}
+)  # fmt: skip
+# Not relayed back: hop-by-hop, and what the ASGI server or the gateway sets itself.
+_DROP_DOWNSTREAM = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
+_DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
+
+
+class Responder:
+    """Writes attempts' answers to clients. ``policy`` is the gateway's getter (a reload
+    swaps it); ``tracer`` None is tracing off; ``homes`` learns stored responses' replicas."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        policy: Callable[[], Policy],
+        tracer: Tracer | None,
+        homes: ResponseHomes,
+    ) -> None:
+        self.metrics = metrics
+        self.policy = policy
+        self.tracer = tracer
+        self.homes = homes
+
+    def response_start(self, call: Call, response: httpx.Response, status: int) -> dict[str, Any]:
+        # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
+        drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
+        headers.append((b"x-request-id", call.request_id.encode()))
+        if call.extra_headers:
+            headers += call.extra_headers
+        if self.policy().server.response_headers:
+            headers.append((b"x-tokenlane-lane", call.lane.name.encode()))
+            if call.replica is not None:
+                headers.append((b"x-tokenlane-replica", call.replica.name.encode()))
+        return {"type": "http.response.start", "status": status, "headers": headers}
+
+    async def relay_whole(
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
+    ) -> None:
+        """A plain chat or completion response (or an error status): read it whole (its usage
+        is parsed), then send it unchanged."""
+        # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
+        # the headers still announce (with the compressed Content-Length).
+        body = b"".join([part async for part in raw_chunks(response)])
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
+        attempt.last_progress = time.monotonic()
+        call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
+        if call.status == 200 and call.kind != "other":
+            with contextlib.suppress(ValueError):
+                answer = sse.decode_json(body)
+                call.usage = sse.usage_of(answer)
+                call.finish_reasons = sse.finish_reasons_of(answer)
+                if call.kind == "responses":
+                    self._remember(answer, attempt.replica)
+        call.started = True
+        attempt.phase = Phase.CONTENT
+        await self.send_start(
+            call, send, self.response_start(call, response, call.status), body, False
+        )
+        call.ttft_s = now() - call.received_at
+
+    async def relay_passthrough(
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
+    ) -> None:
+        """A pass-through response (embeddings, audio, tokenize...): unchanged, as it comes.
+
+        The start goes out as soon as the replica's status line and headers have arrived (a
+        retried status never gets here), then each raw chunk as it is read: a streamed
+        transcription reaches the client event by event. Nothing is parsed or held.
+
+        The raw bytes are the body the replica framed, so its Content-Length stays true and is
+        kept: the client can tell a cut body from a whole one, and uvicorn writes the bytes
+        without re-framing them. An SSE answer is a stream like a chat stream: re-framed
+        chunked, and a failure ends it with an in-band error event (``end_stream_with_error``),
+        which a fixed length would not allow."""
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            call.stream = True
+        call.status = response.status_code
+        if call.status >= 400:
+            call.error_origin = "replica"  # the replica's own answer, relayed
+        call.started = True
+        attempt.phase = Phase.CONTENT
+        attempt.last_progress = time.monotonic()
+        await send(self.response_start(call, response, call.status))
+        async for chunk in raw_chunks(response):
+            attempt.last_progress = time.monotonic()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if call.ttft_s is None:
+                call.ttft_s = now() - call.received_at
+            call.content_chunks += 1
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if call.ttft_s is None:
+            call.ttft_s = now() - call.received_at
+
+    async def relay_stream(
+        self,
+        call: Call,
+        attempt: Attempt,
+        response: httpx.Response,
+        send: Send,
+        watchdog: asyncio.Timeout,
+    ) -> None:
+        lane = call.lane
+        chunks = raw_chunks(response)
+        held: list[bytes] = []
+        events = sse.EventBuffer()
+        found = False
+        ended = False
+        learn = call.kind == "responses"  # its response.created names the stored response
+        # Hold everything until the first chunk with content (or the end of the stream), under
+        # the attempt's first-token watchdog.
+        async for chunk in chunks:
+            attempt.last_progress = time.monotonic()
+            held.append(chunk)
+            # Parse events only up to the first with content: after it nothing is inspected
+            # (a burst of a whole stream in one read costs one parse).
+            for event in events.feed(chunk):
+                obj = sse.parse_event(event)
+                if obj is sse.DONE:
+                    ended = True
+                    break
+                if sse.is_error(obj):
+                    raise AttemptFault(
+                        Fault.ERROR_EVENT,
+                        f"{attempt.replica.name} failed before the first token: "
+                        f"{sse.error_message(obj)}",
+                    )
+                if sse.carries_content(obj):
+                    found = True
+                    break
+                if learn and self._remember(obj, attempt.replica):
+                    learn = False
+            if found or ended:
+                break
+        watchdog.reschedule(None)  # from here on the client has bytes: no retry
+        metrics = self.metrics
+        call.status = 200
+        call.started = True
+        attempt.phase = Phase.CONTENT if found else Phase.STARTED
+        body = held[0] if len(held) == 1 else b"".join(held)
+        # A stream that ended within the held chunks (one burst) goes out whole, its end in
+        # the same write.
+        cut_short = False
+        if not ended:
+            ended = at_eof(response)
+            # The whole stream in the held reads, without its end: the replica closed early.
+            cut_short = ended and not sse.stream_complete(call.kind, body)
+        await self.send_start(
+            call, send, self.response_start(call, response, 200), body, not ended or cut_short
+        )
+        t = now()
+        if found:
+            call.ttft_s = t - call.received_at
+            call.content_chunks = 1
+        # The stream's last bytes, for its usage (when the client asked for it) and, while
+        # tracing, its finish reasons; nothing is kept otherwise.
+        keep_tail = call.wants_usage or self.tracer is not None
+        tail = body[-2048:] if keep_tail else b""
+        # A Responses stream's usage is in its last event, which repeats the whole answer:
+        # only the whole stream is sure to hold that event's start (kept as parts, joined once).
+        whole: list[bytes] | None = [body] if call.kind == "responses" else None
+        itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
+        before = last = body  # the last two reads: the stream's end may straddle them
+        if not ended:
+            async for chunk in chunks:
+                attempt.last_progress = time.monotonic()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                before, last = last, chunk
+                t2 = now()
+                if not found:
+                    found = True
+                    attempt.phase = Phase.CONTENT
+                    call.ttft_s = t2 - call.received_at
+                else:
+                    itl.observe(t2 - t)
+                t = t2
+                call.content_chunks += 1
+                if keep_tail:
+                    if whole is None:
+                        tail = (tail + chunk)[-2048:]
+                    else:
+                        whole.append(chunk)
+            cut_short = not sse.stream_complete(call.kind, before[-256:] + last)
+            if not cut_short:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if cut_short:
+            # vLLM always ends a stream with its end event: one that stops without it was cut
+            # (the replica closed early), and the client is told so, never left with a stream
+            # that looks whole.
+            await self.end_stream_with_error(
+                call, send, f"replica {attempt.replica.name} ended the stream early"
+            )
+        if whole is not None:
+            tail = b"".join(whole)
+        if tail:
+            if call.wants_usage:
+                call.usage = sse.last_usage(tail)
+            if self.tracer is not None:
+                call.finish_reasons = sse.last_finish_reasons(tail)
+
+    def _remember(self, answer: Any, replica: Replica) -> bool:
+        """Learn where a created response lives, from its object or a stream's
+        ``response.created`` event; True when it named one."""
+        rid = sse.response_id(answer)
+        if rid is None:
+            return False
+        self.homes.remember(rid, replica.url)
+        return True
+
+    @staticmethod
+    async def send_start(
+        call: Call, send: Send, start: dict[str, Any], body: bytes, more_body: bool
+    ) -> None:
+        """The response start and its first body: one message (one socket write) where the
+        server takes ``START_WITH_BODY``, else the usual two."""
+        if call.start_with_body:
+            start[START_BODY] = body
+            start[START_MORE_BODY] = more_body
+            await send(start)
+        else:
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+    async def end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
+        call.error = message
+        call.error_origin = "replica"  # a replica's fault, told in-band by the gateway
+        if call.kind == "other" and not call.stream:
+            # A pass-through body that is not a stream cannot carry an error: it is left
+            # incomplete, so the ASGI server closes the connection (without the final chunk,
+            # or short of its Content-Length) and the client sees it cut, not whole.
+            return
+        if not call.started:
+            # Nothing sent yet: an SSE stream is still what the client asked for.
+            call.started = True
+            call.status = 200
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"x-request-id", call.request_id.encode()),
+                        *call.extra_headers,
+                    ],
+                }
+            )
+        await send(
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(StreamCut(message), call.dialect),
+                "more_body": False,
+            }
+        )
+
+
+__all__ = ["HOP_BY_HOP", "Responder"]
