@@ -758,7 +758,9 @@ def test_dockerfile_runs_the_gateway_as_non_root_with_a_health_check() -> None:
     (healthcheck,) = [args for k, args in stage if k == "HEALTHCHECK"]
     assert "/health" in healthcheck and "curl" not in healthcheck  # the slim image has no curl
     (cmd,) = [args for k, args in stage if k == "CMD"]
-    assert json.loads(cmd) == ["tokenlane", "serve", "--config", "/etc/tokenlane/policy.yaml"]
+    assert json.loads(cmd) == [
+        "tokenlane", "serve", "--config", "/etc/tokenlane/policy.yaml", "--workers", "auto",
+    ]  # fmt: skip
     assert ("EXPOSE", str(GATEWAY_PORT)) in stage
     # The default policy path of CMD is filled, so the image runs without a mount.
     assert ("COPY", "config/policy.compose.yaml /etc/tokenlane/policy.yaml") in stage
