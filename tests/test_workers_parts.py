@@ -190,3 +190,20 @@ def test_merge_sums_counters_and_held_gauges_and_takes_the_leaders_other_gauges(
     created = [line for line in text.splitlines() if line.startswith("tokenlane_requests_created")]
     assert len(created) == 2  # one per series, a start time (the earliest), never a sum
     assert all(float(line.split()[-1]) < 4e9 for line in created)
+
+
+def test_a_full_board_counts_later_names_per_worker_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "small")
+    parent = Board(path, None, create=True, workers=1, rows=8)
+    board = Board(path, 0)
+    ledger = BoardLedger(board, lambda w: None)
+    # Fill every row but the one the ledger already holds (its waiting count).
+    for i in range(board.rows - 1):
+        board.row(f"r p http://10.0.0.{i}:8000")
+    assert ledger.claim("r p http://late:8000", 1) and ledger.claim("r p http://late:8000", 1)
+    assert ledger.others("r p http://late:8000") == 0
+    assert "worker board full" in caplog.text
+    board.close()
+    parent.close()

@@ -28,7 +28,10 @@ from collections.abc import Iterator
 
 MAGIC = 0x544B4C42  # "TKLB"
 HEADER = struct.Struct("<III4x")
-ROWS = 8192  # names (replicas, lanes, queues, rate-limit buckets) a serve can ever count
+# Names (replicas, lanes, queues, rate-limit buckets) a serve can ever count: rows are never
+# freed, so replicas discovered by DNS at ever new addresses use them up over time; a name
+# past the last row is counted by its worker alone (``BoardLedger`` logs it once).
+ROWS = 32768
 
 
 class BoardFull(RuntimeError):
@@ -48,14 +51,22 @@ class Board:
     """One process's handle on the shared file: the supervisor's (``worker=None``: it only
     zeroes columns) or a worker's (it writes column ``worker``)."""
 
-    def __init__(self, path: str, worker: int | None, *, create: bool = False, workers: int = 0):
+    def __init__(
+        self,
+        path: str,
+        worker: int | None,
+        *,
+        create: bool = False,
+        workers: int = 0,
+        rows: int = ROWS,
+    ) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         self.fd = os.open(path, flags, 0o600)
         if create:
-            os.ftruncate(self.fd, board_size(workers))
+            os.ftruncate(self.fd, board_size(workers, rows))
         self.map = mmap.mmap(self.fd, 0)
         if create:
-            HEADER.pack_into(self.map, 0, MAGIC, ROWS, workers)
+            HEADER.pack_into(self.map, 0, MAGIC, rows, workers)
         magic, rows, n = HEADER.unpack_from(self.map, 0)
         if magic != MAGIC:
             raise ValueError(f"{path} is not a tokenlane board")

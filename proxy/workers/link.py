@@ -34,7 +34,7 @@ from proxy.routing.ratelimit import (
 )
 from proxy.state.codec import ReplicaRecord
 from proxy.state.protocol import LocalView
-from proxy.workers.board import Board
+from proxy.workers.board import Board, BoardFull
 from proxy.workers.mesh import Mesh, Message
 
 log = logging.getLogger("tokenlane.workers")
@@ -97,18 +97,31 @@ class BoardLedger:
         self.board = board
         self.kick = kick
         self._kicked: set[int] = set()
+        self._full_logged = False
         self._waiting_row = board.row(WAITING_ROW)
+
+    def _row(self, name: str) -> int | None:
+        try:
+            return self.board.row(name)
+        except BoardFull:
+            if not self._full_logged:
+                self._full_logged = True
+                log.error("worker board full: %r and later names are counted per worker", name)
+            return None
 
     def others(self, name: str) -> int:
         board = self.board
-        row = board.row(name)
-        return board.total(row) - board.mine(row)
+        row = self._row(name)
+        return 0 if row is None else board.total(row) - board.mine(row)
 
     def claim(self, name: str, limit: int) -> bool:
-        return self.board.claim(self.board.row(name), limit)
+        row = self._row(name)
+        return True if row is None else self.board.claim(row, limit)
 
     def hold(self, name: str, count: int) -> None:
-        self.board.set_mine(self.board.row(name), count)
+        row = self._row(name)
+        if row is not None:
+            self.board.set_mine(row, count)
 
     def kick_others(self) -> None:
         board, row = self.board, self._waiting_row
