@@ -389,3 +389,33 @@ async def test_workers_with_redis_share_with_another_instance(tmp_path: Path) ->
                         clients = [h for h in up2.stats.headers if "x-tokenlane-canary" not in h]
                         assert clients == []
                         assert other.gateway.shared.up
+
+
+async def test_a_detector_in_a_worker_ejects_for_every_worker(tmp_path: Path) -> None:
+    """A replica that never sends a first token is ejected by the traffic's own detector in
+    whichever worker sees it (the prober finds nothing wrong: its counters move), and every
+    worker stops sending it requests."""
+    async with running(tokens=3) as good, running(tokens=3, interval_s=0.01) as stuck:
+        stuck.first_token_delay_s = 600.0
+        policy = policy_for(
+            {"p": [good.url, stuck.url]},
+            lanes=[{"name": "all", "pool": "p", "first_token_timeout_s": 0.5}],
+        )
+        async with serve_workers(policy, tmp_path) as serve:
+
+            async def one() -> int:
+                async with httpx.AsyncClient(timeout=60) as fresh:
+                    body = {**CHAT, "stream": True}
+                    r = await fresh.post(serve.url + "/v1/chat/completions", json=body)
+                    return r.status_code
+
+            async def ejected() -> bool:
+                assert await one() == 200  # retried on the good replica
+                return await serve.everywhere(stuck.url, "ejected")
+
+            await wait_until(ejected, what="the stuck replica ejected in both workers", poll=0.0)
+            for w in (0, 1):
+                answer = await serve.ask(w, {"ask": "sync"})
+                assert answer is not None
+                (rec,) = [x for x in answer["records"] if x["url"] == stuck.url]
+                assert rec["reason"] == "first_token_timeout"

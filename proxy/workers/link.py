@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from proxy.config import RateLimitsConfig
+from proxy.fleet.detect import Progress
 from proxy.fleet.fleet import Fleet
 from proxy.fleet.replica import Replica
 from proxy.fleet.vllm import EngineSample
@@ -217,6 +218,8 @@ def health_item(replica: Replica) -> dict[str, Any]:
         "level": replica.backoff_level,
         "level_since": replica.level_since,
         "healthy_since": replica.healthy_since,
+        # What the detectors weigh a silent stream against (counters flat since when).
+        "progress": asdict(replica.progress),
     }
 
 
@@ -235,6 +238,7 @@ def apply_health(replicas: list[Replica], item: Mapping[str, Any]) -> None:
             replica.level_since = float(item["level_since"])
             since = item["healthy_since"]
             replica.healthy_since = None if since is None else float(since)
+            replica.progress = Progress(**item["progress"])
 
 
 class WorkerLink:
