@@ -255,19 +255,22 @@ class Gateway:
         board = self.link.board
         return board.total(board.row(replica_row(replica)))
 
-    def local_families(self) -> list[Family]:
-        """This process's metrics, as data (one worker's share of a merged scrape)."""
+    def _refresh_gauges(self) -> None:
         self.outcomes.flush()  # every request that ended before the scrape is in it
         m = self.metrics
         for replica in self.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
             m.set_replica_state(replica.pool, replica.name, replica.state.value)
-        return families(m.registry)
+
+    def local_families(self) -> list[Family]:
+        """This process's metrics, as data (one worker's share of a merged scrape)."""
+        self._refresh_gauges()
+        return families(self.metrics.registry)
 
     async def scrape(self) -> bytes:
         """The gateway's metrics; with workers, every worker's merged (``observe.merge``)."""
         if self.link is None:
-            self.local_families()
+            self._refresh_gauges()
             return generate_latest(self.metrics.registry)
         mine = self.local_families()
         answers = await self.link.peer_metrics()

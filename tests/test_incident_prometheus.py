@@ -269,6 +269,18 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         return not await _q(prom, f'ALERTS{{alertname=~"{"|".join(UP_ALERTS)}"}}', at)
 
     await until(settled, 120, "every target up after the incident, and the rules seeing it")
+    # Evaluated at one of the gateway's own scrapes, later than a post-incident scrape of every
+    # other target: at any other instant the gateway's last sample lies before it, and rate()
+    # extrapolates the counters over that gap (by up to a scrape interval: 9 counted as 9.8).
+    latest = max(float(s["value"][1]) for s in await _q(prom, "timestamp(up)"))
+
+    async def gateway_scraped_last() -> bool:
+        nonlocal at
+        (gw,) = await _q(prom, 'timestamp(up{job="tokenlane"})')
+        at = float(gw["value"][1])
+        return at > latest
+
+    await until(gateway_scraped_last, 30, "the gateway scraped after every other target")
     inc.window_s = math.ceil(at - started) + 2
     window = f"{inc.window_s}s"
     for _, _, _, expr in dashboard_targets():

@@ -121,6 +121,14 @@ def known_label_sets(
         "spills": set(),
         "replica_ttft": set(),
         "replica_info": set(),
+        # The lane histograms, per pool a lane can be served by: a histogram born with its
+        # first observations shows rate() nothing of them either.
+        "ttft": set(),
+        "inter_token": set(),
+        "duration": set(),
+        "overhead": set(),
+        "prompt_tokens_estimated": set(),
+        "prompt_tokens_reported": set(),
     }
     replicas = list(replicas)
     for lane in lanes:
@@ -134,7 +142,12 @@ def known_label_sets(
         sets["rejections"].update((lane.name, r) for r in LANE_REJECTION_REASONS)
         if lane.spill_to:
             sets["spills"].add((lane.name, lane.pool, lane.spill_to))
+        for attr in ("ttft", "inter_token", "duration"):
+            sets[attr].update((lane.name, p) for p in pools if p is not None)
+        sets["overhead"].add((lane.name,))
     for pool, name, url in replicas:
+        sets["prompt_tokens_estimated"].add((pool,))
+        sets["prompt_tokens_reported"].add((pool,))
         sets["ejections"].update((pool, name, r) for r in EJECTION_REASONS)
         sets["replica_ttft"].add((pool, name))
         sets["replica_info"].add((pool, name, url, replica_address(url)))
