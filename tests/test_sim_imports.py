@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "generate": 1, "protocol": 1, "formats": 1,
     "scheduler": 2, "metrics": 3, "engine": 3, "listener": 3,
     "replica": 4, "generation": 5, "responses_api": 6, "messages_api": 6, "pooling_api": 6,
+    "realtime_api": 6,
     "app": 7, "server": 8,
     "cli": 9, "supervisor": 10, "__main__": 11, "__init__": 11,
 }  # fmt: skip

@@ -23,6 +23,7 @@ from .generation import Generation
 from .messages_api import MessagesRoutes
 from .metrics import CONTENT_TYPE
 from .pooling_api import PoolingRoutes
+from .realtime_api import route as realtime_route
 from .replica import Sim
 from .responses_api import ResponsesRoutes
 from .scheduler import EngineRequest
@@ -53,14 +54,16 @@ def _output_seed(base: int, request_seed: int | None, index: int) -> int:
 
 
 class _Observe:
-    """Counts and logs every request outside /sim/, and checks the API key like vLLM."""
+    """Counts and logs every request outside /sim/, and checks the API key like vLLM. A
+    WebSocket handshake counts as a GET; refused, it gets the 401 before the upgrade (vLLM's
+    middleware means to, but fails on the scope's missing ``method``: an HTTP 500)."""
 
     def __init__(self, app: ASGIApp, sim: Sim) -> None:
         self.app = app
         self.sim = sim
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         sim = self.sim
@@ -75,7 +78,7 @@ class _Observe:
                 headers[name] = f"{headers[name]}, {value}" if name in headers else value
             if sim.settings.request_log_size > 0:
                 entry = {
-                    "method": scope["method"],
+                    "method": scope.get("method", "GET"),
                     "path": path,
                     "query": scope.get("query_string", b"").decode("latin-1"),
                     "headers": headers,
@@ -86,7 +89,7 @@ class _Observe:
                 scope["sim.entry"] = entry
             if (
                 sim.settings.api_key
-                and scope["method"] != "OPTIONS"
+                and scope.get("method") != "OPTIONS"
                 and path.startswith(GUARDED_PREFIX)
                 and not sim.authorized(headers.get("authorization"))
             ):
@@ -287,6 +290,7 @@ def build_routes(sim: Sim) -> ASGIApp:
         Route("/sim/fault", post_fault, methods=["POST"]),
         Route("/sim/stats", stats, methods=["GET"]),
         Route("/sim/requests", requests_log, methods=["GET", "DELETE"]),
+        realtime_route(sim),  # the WebSocket
     ]
     app = Starlette(
         routes=routes,
