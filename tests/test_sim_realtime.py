@@ -21,6 +21,7 @@ from websockets.asyncio.client import ClientConnection
 from loadtest.sim.server import ENGINE_DEAD_MESSAGE, run_sim
 from loadtest.sim.settings import SimSettings
 
+from .gateway import policy_for, running_gateway
 from .waiting import TIMEOUT_S, wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_realtime_session.jsonl"
@@ -227,3 +228,18 @@ async def test_a_client_that_leaves_ends_the_session_and_its_engine_request(sim:
     await wait_until(lambda: sim.stats()["aborted"] == 1, what="the request aborted")
     assert sim.stats()["running"] == 0 and sim.stats()["waiting"] == 0
     assert sim.stats()["completed"] == 0
+
+
+async def test_a_session_through_the_gateway_is_the_simulators_own(sim: Any) -> None:
+    """The gateway's realtime relay in front of the simulator: the same events, both ways."""
+    async with running_gateway(policy_for({"p": [sim.url]})) as (url, _):
+        gw = url.replace("http://", "ws://", 1) + "/v1/realtime"
+        async with websockets.connect(gw, open_timeout=TIMEOUT_S) as conn:
+            assert (await _recv(conn))["type"] == "session.created"
+            await _send(conn, {"type": "session.update", "model": MODEL})
+            events = await _utterance(conn)
+    done = events[-1]
+    assert done["type"] == "transcription.done", events
+    deltas = [e["delta"] for e in events if e["type"] == "transcription.delta"]
+    assert deltas and done["text"] == "".join(deltas)
+    assert _shape(done) == _vllm_shapes()["transcription.done"]
