@@ -24,6 +24,8 @@ import httpx
 import yaml
 
 from loadtest.fake_upstream import MODEL, running
+from loadtest.sim.server import run_sim
+from loadtest.sim.settings import SimSettings
 from proxy.workers.mesh import ask, socket_path
 
 from .gateway import policy_for, running_gateway
@@ -419,3 +421,34 @@ async def test_a_detector_in_a_worker_ejects_for_every_worker(tmp_path: Path) ->
                 assert answer is not None
                 (rec,) = [x for x in answer["records"] if x["url"] == stuck.url]
                 assert rec["reason"] == "first_token_timeout"
+
+
+async def test_a_stored_response_learned_by_one_worker_is_found_by_the_other(
+    tmp_path: Path,
+) -> None:
+    """Responses API affinity across workers: a response created through one worker is
+    retrieved through either, always from the replica that holds it (an id a worker never
+    heard of would get vLLM's 404 without a replica being asked)."""
+    fast = SimSettings(
+        step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
+        request_overhead_s=0.0,
+    )  # fmt: skip
+    async with run_sim(fast, name="a") as a, run_sim(fast, name="b") as b:
+        async with serve_workers(policy_for({"p": [a.url, b.url]}), tmp_path) as serve:
+            async with httpx.AsyncClient(timeout=30) as client:
+                made = await client.post(
+                    serve.url + "/v1/responses",
+                    json={"model": MODEL, "input": "hello", "max_output_tokens": 4},
+                )
+                assert made.status_code == 200, made.text
+                rid, home = made.json()["id"], made.headers["x-tokenlane-replica"]
+
+            async def retrieved_by_both() -> bool:
+                async with httpx.AsyncClient(timeout=30) as fresh:  # a new connection
+                    got = await fresh.get(serve.url + f"/v1/responses/{rid}")
+                assert got.status_code == 200, got.text
+                assert got.json()["id"] == rid and got.headers["x-tokenlane-replica"] == home
+                served = [await serve.worker_metric(w, "tokenlane_requests_total") for w in (0, 1)]
+                return all(served)  # each worker has answered (the create, or a retrieve)
+
+            await wait_until(retrieved_by_both, what="the response retrieved through both workers")
