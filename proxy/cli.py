@@ -41,7 +41,7 @@ def _worker(args: argparse.Namespace) -> int:
     overrides = {"server.host": args.host, "server.workers": 1}
     place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
     # A restarted worker starts from the text the leader runs, not the file as it is now.
-    source = place.policy_path if os.path.exists(place.policy_path) else args.config
+    source = place.policy_source(args.config)
     try:
         policy = load_policy(source, overrides=overrides)
     except PolicyError as exc:

@@ -16,7 +16,6 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -33,7 +32,7 @@ from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
 from proxy.observe.tracing import from_environ as tracer_from_environ
-from proxy.policyfile import policy_from_text
+from proxy.policyfile import policy_from_text, read_policy_text
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.relay import Relay, make_client
 from proxy.routing.admission import Admission, replica_row
@@ -47,20 +46,6 @@ from proxy.workers.link import WorkerLink, apply_health, health_item
 log = logging.getLogger("tokenlane")
 
 POLICY_POLL_S = 1.0
-
-
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError:
-        return None
-
-
-def _read_policy(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PolicyError([f"{path}: {exc.strerror or exc}"]) from None
 
 
 def _file_hash(path: str) -> bytes | None:
@@ -90,11 +75,12 @@ class Gateway:
         # One of several workers of a serve (``--workers``): its link to the others.
         self.link = link
         self.leader = link is None or link.place.leader
-        # The text this process runs: a restarted worker's is the leader's (what it loaded).
-        source = policy_path
-        if link is not None and os.path.exists(link.place.policy_path):
-            source = link.place.policy_path
-        self.policy_text = _read(source) if source is not None else None
+        # The text this process runs (a restarted worker's is the leader's: what it loaded).
+        self.policy_text: str | None = None
+        if policy_path is not None:
+            source = link.place.policy_source(policy_path) if link is not None else policy_path
+            with contextlib.suppress(PolicyError):
+                self.policy_text = read_policy_text(source)
         self.discovery = Discovery()
         self._reload_lock = asyncio.Lock()
         self._policy_hash: bytes | None = None
@@ -162,7 +148,7 @@ class Gateway:
             if self.policy_path is None:
                 raise PolicyError(["no policy file: this gateway was started from data"])
             try:
-                text = _read_policy(self.policy_path)
+                text = read_policy_text(self.policy_path)
                 new = policy_from_text(text, environ=self.environ, name=self.policy_path)
             except PolicyError as exc:
                 self.metrics.reloads.labels("invalid").inc()
@@ -252,8 +238,7 @@ class Gateway:
     def in_flight(self, replica: Replica) -> int:
         if self.link is None:
             return replica.in_flight
-        board = self.link.board
-        return board.total(board.row(replica_row(replica)))
+        return replica.in_flight + self.link.ledger.others(replica_row(replica))
 
     def _refresh_gauges(self) -> None:
         self.outcomes.flush()  # every request that ended before the scrape is in it

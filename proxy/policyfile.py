@@ -383,11 +383,16 @@ def load_policy(
 
     ``overrides`` are dotted keys from the command line (``{"server.port": 9000}``).
     """
+    text = read_policy_text(path)
+    return policy_from_text(text, environ=environ, overrides=overrides, name=str(path))
+
+
+def read_policy_text(path: str | Path) -> str:
+    """A policy file's text; ``PolicyError`` naming the file when it cannot be read."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError([f"{path}: {exc.strerror or exc}"]) from None
-    return policy_from_text(text, environ=environ, overrides=overrides, name=str(path))
 
 
 def policy_from_text(

@@ -62,7 +62,7 @@ AnyServing = Callable[[], bool]
 
 
 class Ledger(Protocol):
-    """Counts shared by the workers of one serve (``proxy.workers.ledger``), by name."""
+    """Counts shared by the workers of one serve (``proxy.workers.link.BoardLedger``), by name."""
 
     def others(self, name: str) -> int:
         """What the other workers hold of ``name`` now."""
@@ -243,10 +243,9 @@ class Admission:
         workers another worker may have taken it since (False: pick another); the claim is
         settled into this worker's held count at the end of the step (``_settle``), by when
         the pick has become an attempt or a reservation, or was dropped."""
-        ledger = self.ledger
-        if ledger is None:
+        if self.ledger is None:
             return True
-        if not ledger.claim(replica_row(replica), replica.config.max_in_flight):
+        if not self._claim(replica_row(replica), replica.config.max_in_flight):
             return False
         if not self._unsettled:
             asyncio.get_running_loop().call_soon(self._settle)
@@ -264,20 +263,17 @@ class Admission:
                 replica_row(replica), replica.in_flight + self._reserved.get(replica, 0)
             )
 
+    def _claim(self, name: str, limit: int | None) -> bool:
+        """One of ``limit`` for this worker (always, without workers or without a limit: the
+        caller has checked its own count)."""
+        return self.ledger is None or limit is None or self.ledger.claim(name, limit)
+
     def _claim_lane(self, st: LaneState) -> bool:
-        limit = st.config.max_in_flight
-        if self.ledger is None or limit is None:
-            return True
-        return self.ledger.claim(st.row, limit)
+        return self._claim(st.row, st.config.max_in_flight)
 
     def _hold_lane(self, st: LaneState) -> None:
         if self.ledger is not None and st.config.max_in_flight is not None:
             self.ledger.hold(st.row, st.in_flight)
-
-    def _queued_anywhere(self, st: LaneState) -> bool:
-        if st.queue:
-            return True
-        return self.ledger is not None and self.ledger.others(st.queue_row) > 0
 
     def _queue_depth(self, st: LaneState) -> int:
         """The lane's queue across all workers."""
@@ -293,7 +289,7 @@ class Admission:
         st = self._lane(lane)
         if self.waiting:
             self._pump()  # earlier waiters first: a newcomer never takes a slot they can use
-        if not self._queued_anywhere(st) and st.has_room(self.ledger) and self._claim_lane(st):
+        if not self._queue_depth(st) and st.has_room(self.ledger) and self._claim_lane(st):
             replica = try_pick()
             if replica is not None:
                 self._dispatched(st, 0.0)
@@ -305,7 +301,7 @@ class Admission:
                 NO_REPLICA_RETRY_AFTER_S,
             )  # fmt: skip
         depth = self._queue_depth(st)
-        if depth >= lane.max_queue or not self._claim_queue(st):
+        if depth >= lane.max_queue or not self._claim(st.queue_row, lane.max_queue):
             raise self._reject(
                 st, "queue_full", 429, f"the lane's queue is full ({lane.max_queue} waiting)",
                 retry_after_s(depth + 1, st.drain.per_s(self.clock())),
@@ -330,12 +326,6 @@ class Admission:
             self.ledger.kick_others()
         if self.waiting:
             self._pump()
-
-    def _claim_queue(self, st: LaneState) -> bool:
-        """A place in the lane's queue, which with workers is bounded across all of them."""
-        if self.ledger is None:
-            return True
-        return self.ledger.claim(st.queue_row, st.config.max_queue)
 
     def depths(self) -> dict[str, int]:
         return {name: len(st.queue) for name, st in self.lanes.items()}

@@ -66,6 +66,10 @@ class WorkerPlace:
         file broken since the last reload cannot keep it from starting."""
         return os.path.join(self.rundir, "policy.yaml")
 
+    def policy_source(self, config: str) -> str:
+        """Where this worker reads its policy: the leader's text once there is one."""
+        return self.policy_path if os.path.exists(self.policy_path) else config
+
 
 class HomesHolder(Protocol):
     homes: ResponseHomes
