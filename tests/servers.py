@@ -19,7 +19,13 @@ from typing import Any
 import httpx
 import uvicorn
 
+from loadtest.sim.settings import SimSettings
+
 from .waiting import WaitTimeout, wait_until, wait_until_sync
+
+# A simulator as fast as it goes: the tests that use it check shapes and routing, not timing.
+FAST_SIM = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
+                       request_overhead_s=0.0)  # fmt: skip
 
 
 def bound_socket(host: str = "127.0.0.1") -> socket.socket:

@@ -12,14 +12,12 @@ import httpx
 import pytest
 
 from loadtest.sim.server import run_sim
-from loadtest.sim.settings import SimSettings
 
 from .gateway import policy_for, running_gateway
+from .servers import FAST_SIM
 from .waiting import wait_until
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-FAST = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-                   request_overhead_s=0.0)  # fmt: skip
 HELLO = [{"role": "user", "content": "Say hello to the gateway"}]
 
 
@@ -49,7 +47,7 @@ def last_event(text: str) -> tuple[str | None, Any]:
 async def test_a_stream_closed_early_ends_with_the_apis_error_event(
     path: str, body: dict[str, Any], check: str, access_lines: list[dict[str, Any]]
 ) -> None:
-    async with run_sim(FAST, name="a", fault={"fault": "cut_close", "after_tokens": 3}) as a:
+    async with run_sim(FAST_SIM, name="a", fault={"fault": "cut_close", "after_tokens": 3}) as a:
         async with running_gateway(policy_for({"p": [a.url]})) as (url, _):
             async with httpx.AsyncClient(timeout=30) as http:
                 resp = await http.post(url + path, json={"model": MODEL, "stream": True, **body})

@@ -16,15 +16,13 @@ import openai
 import pytest
 
 from loadtest.sim.server import run_sim
-from loadtest.sim.settings import SimSettings
 
 from .gateway import policy_for, running_gateway
+from .servers import FAST_SIM
 from .waiting import wait_until
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 FIXTURES = Path(__file__).parent / "fixtures"
-FAST = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-                   request_overhead_s=0.0)  # fmt: skip
 
 
 class Fleet:
@@ -35,7 +33,7 @@ class Fleet:
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
-    async with run_sim(FAST, name="a") as a, run_sim(FAST, name="b") as b:
+    async with run_sim(FAST_SIM, name="a") as a, run_sim(FAST_SIM, name="b") as b:
         # Round robin over both: without pinning, every other turn would meet the replica
         # that never saw the conversation.
         async with running_gateway(policy_for({"p": [a.url, b.url]})) as (url, _):

@@ -13,12 +13,11 @@ import pytest
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 
+from .servers import FAST_SIM
 from .waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-FAST = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-                   request_overhead_s=0.0)  # fmt: skip
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
 
 
@@ -51,7 +50,7 @@ def _shape(obj: Any) -> Any:
 
 @pytest.fixture
 async def sim():
-    async with run_sim(FAST, name="t") as s:
+    async with run_sim(FAST_SIM, name="t") as s:
         yield s
 
 
@@ -191,7 +190,7 @@ async def test_unknown_model_gets_the_fixture_404(sim, client):
 
 
 async def test_context_length_error_matches_the_fixture_wording(client):
-    async with run_sim(FAST.replace(max_model_len=1024)) as s:
+    async with run_sim(FAST_SIM.replace(max_model_len=1024)) as s:
         resp = await client.post(s.url + "/v1/completions",
                                  json={"prompt": list(range(1000)), "max_tokens": 256})  # fmt: skip
     fixture = json.loads((FIXTURES / "vllm_error_400.json").read_text())["error"]
@@ -202,7 +201,7 @@ async def test_context_length_error_matches_the_fixture_wording(client):
 
 
 async def test_api_key_guards_v1_only_with_vllms_401(client):
-    async with run_sim(FAST, api_key="sekret") as s:
+    async with run_sim(FAST_SIM, api_key="sekret") as s:
         denied = await client.post(s.url + "/v1/chat/completions", json=CHAT)
         wrong = await client.get(s.url + "/v1/models", headers={"Authorization": "Bearer nope"})
         ok = await client.post(s.url + "/v1/chat/completions", json=CHAT,
@@ -214,7 +213,7 @@ async def test_api_key_guards_v1_only_with_vllms_401(client):
 
 
 async def test_models_health_ping_and_tokenize_answer_like_vllm(client):
-    async with run_sim(FAST, model=["a/one", "b/two"]) as s:
+    async with run_sim(FAST_SIM, model=["a/one", "b/two"]) as s:
         models = (await client.get(s.url + "/v1/models")).json()
         health = await client.get(s.url + "/health")
         ping = await client.post(s.url + "/ping")
@@ -295,7 +294,7 @@ async def test_request_log_keeps_headers_and_parsed_bodies(sim, client):
 
 
 async def test_client_disconnect_aborts_the_request_in_the_engine(client):
-    async with run_sim(FAST.replace(step_fixed_s=0.01)) as s:
+    async with run_sim(FAST_SIM.replace(step_fixed_s=0.01)) as s:
         body = {**CHAT, "max_tokens": 5000, "stream": True}
         async with client.stream("POST", s.url + "/v1/chat/completions", json=body) as resp:
             async for _ in resp.aiter_bytes():
@@ -331,7 +330,7 @@ async def test_build_app_serves_on_any_server_but_refuses_socket_faults(client):
     from loadtest.sim.server import build_app
     from tests.servers import serve_app
 
-    sim, app = build_app(FAST)
+    sim, app = build_app(FAST_SIM)
     async with serve_app(app) as url:
         ok = await client.post(url + "/v1/chat/completions", json=CHAT)
         refuse = await client.post(url + "/sim/fault", json={"fault": "refuse", "duration_s": 1})

@@ -19,15 +19,13 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from loadtest.sim.server import ENGINE_DEAD_MESSAGE, run_sim
-from loadtest.sim.settings import SimSettings
 
 from .gateway import policy_for, running_gateway
+from .servers import FAST_SIM
 from .waiting import TIMEOUT_S, wait_until
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_realtime_session.jsonl"
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-FAST = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-                   request_overhead_s=0.0)  # fmt: skip
 
 
 def _shape(obj: Any) -> Any:
@@ -84,7 +82,7 @@ async def _utterance(ws: ClientConnection, chunks: int = 5) -> list[dict[str, An
 
 @pytest.fixture
 async def sim():
-    async with run_sim(FAST, name="t") as s:
+    async with run_sim(FAST_SIM, name="t") as s:
         yield s
 
 
@@ -201,7 +199,7 @@ async def test_a_dead_engine_fails_the_transcription_with_a_processing_error(
 
 
 async def test_the_api_key_is_checked_before_the_upgrade() -> None:
-    async with run_sim(FAST, name="k", api_key="sk-sim") as sim:
+    async with run_sim(FAST_SIM, name="k", api_key="sk-sim") as sim:
         with pytest.raises(websockets.InvalidStatus) as refused:
             async with websockets.connect(_url(sim), open_timeout=TIMEOUT_S):
                 pass

@@ -15,14 +15,12 @@ import pytest
 
 from loadtest.sim.responses_api import ResponseStore, Stored
 from loadtest.sim.server import run_sim
-from loadtest.sim.settings import SimSettings
 
+from .servers import FAST_SIM
 from .waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-FAST = SimSettings(step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-                   request_overhead_s=0.0)  # fmt: skip
 
 
 def _shape(obj: Any) -> Any:
@@ -53,7 +51,7 @@ def _collapse(kinds: list[str]) -> list[str]:
 
 @pytest.fixture
 async def sim():
-    async with run_sim(FAST, name="t") as s:
+    async with run_sim(FAST_SIM, name="t") as s:
         yield s
 
 

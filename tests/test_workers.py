@@ -25,12 +25,11 @@ import yaml
 
 from loadtest.fake_upstream import MODEL, running
 from loadtest.sim.server import run_sim
-from loadtest.sim.settings import SimSettings
 from proxy.workers.mesh import ask, socket_path
 
 from .gateway import policy_for, running_gateway
 from .redis_server import running_redis
-from .servers import free_port
+from .servers import FAST_SIM, free_port
 from .waiting import wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -429,11 +428,7 @@ async def test_a_stored_response_learned_by_one_worker_is_found_by_the_other(
     """Responses API affinity across workers: a response created through one worker is
     retrieved through either, always from the replica that holds it (an id a worker never
     heard of would get vLLM's 404 without a replica being asked)."""
-    fast = SimSettings(
-        step_fixed_s=0.001, decode_per_seq_s=0.0, prefill_per_token_s=0.000001,
-        request_overhead_s=0.0,
-    )  # fmt: skip
-    async with run_sim(fast, name="a") as a, run_sim(fast, name="b") as b:
+    async with run_sim(FAST_SIM, name="a") as a, run_sim(FAST_SIM, name="b") as b:
         async with serve_workers(policy_for({"p": [a.url, b.url]}), tmp_path) as serve:
             async with httpx.AsyncClient(timeout=30) as client:
                 made = await client.post(
