@@ -22,6 +22,9 @@ block is evictable, so it costs the next run nothing). Hit rate comes from the r
 
     python -m loadtest.bench_cache [--quick] [--workloads shared_prefix,...] [--reps 2]
         [--json out.json] [--plot docs/cache_routing.png]
+
+Length: one benchmark: the workloads, the two modes (HTTP and virtual time) over the same routing
+code and the one table they print.
 """
 
 from __future__ import annotations

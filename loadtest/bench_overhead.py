@@ -30,6 +30,9 @@ run at each concurrency is the ceiling of generator + upstream, printed beside t
     python -m loadtest.bench_overhead [--seconds 5] [--repeat 3] [--mode burst|paced|both]
         [--continuation off|on|both] [--tracing off|on|both] [--json out.json]
         [--peer] [--workers N]
+
+Length: one benchmark whose modes (burst, paced, peer, tracing) share the load generator, the
+gateways' set-up and the table; apart, each mode would repeat them.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ the most requests queued per lane, CPU, and the gateway's RSS; over time, queue 
 
     python -m loadtest.bench_overload [--duration-s 60] [--rate 14] [--factor 10]
         [--levels 1,2,4] [--gateways tokenlane,roundrobin] [--plot docs/overload.png]
+
+Length: one benchmark from the fleet's set-up to the printed table and plot; none of its parts is
+used elsewhere, and splitting them would only scatter one run's story.
 """
 
 from __future__ import annotations

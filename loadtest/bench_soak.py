@@ -24,6 +24,8 @@ under 1 MB a minute after the warm-up minute. Requests count under the minute th
 own streams are cut with it (no gateway can finish a stream whose connection died): its clients
 are the ones counted mid-stream in that minute. Not exercised: a worker SIGKILL (the gateway
 has no workers).
+
+Length: one benchmark: the fault rotation, the checked streams and the per-minute table of one run.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ so prefix caching helps as much as it would help real traffic and no more. By de
 ends once both light requests have finished: the heavy ones still running are cut (their
 connections close, the replicas abort them). Nothing after that can change a light request's
 TTFT, and waiting for a 512-token decode would triple the runtime; ``--full-rounds`` waits.
+
+Length: one benchmark from the fleet's set-up to the report and plot; none of its parts is used
+elsewhere.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ sends it and is the command line. Its names stay importable from here.
 Arrivals are open-loop: a request is sent at its time whatever the server is doing, since a
 closed loop slows down with the server and hides exactly the queueing a gateway is for. The
 generator's own lateness is recorded, so a run where the client fell behind says so.
+
+Length: the sender, its report and the command line of one tool; the workload model is already its
+own module.
 """
 
 from __future__ import annotations

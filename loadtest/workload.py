@@ -8,6 +8,9 @@ trace with a seed, so the same scenario file sends the same requests every time.
 Validation reports every problem at once, each named by where it is (``[3].max_tokens:
 required``, ``mix[1].weight: ...``). Nothing here touches the network; ``load_trace`` and
 ``load_scenario`` only read the file they are given.
+
+Length: one job, the pure workload model (traces, scenarios, arrivals) with the validation that
+names every problem.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ file at its line and column live in ``proxy.policyfile``.
 
 Precedence for every key: command-line flag, then ``TOKENLANE_`` environment variables
 (``TOKENLANE_SERVER__PORT=9000``), then the file, then the default here.
+
+Length: one job, the schema: every key the policy file accepts is declared here once, as
+docs/policy.md lists them in one table; splitting it would scatter the declarations.
 """
 
 from __future__ import annotations

@@ -197,3 +197,23 @@ def test_the_checker_sees_a_circle() -> None:
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from proxy.x import Y\n"
     tree_imports = [n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
     assert "proxy.x" in tree_imports
+
+
+LONG_MODULE = 450
+
+
+def test_a_long_module_says_why_it_is_one_job() -> None:
+    """A module past ~450 lines must be one job and say so: its docstring has a ``Length:``
+    paragraph. A module that grows past the bound without one is split, or says why not."""
+    unexplained = []
+    for package in ("proxy", "loadtest"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") <= LONG_MODULE:
+                continue
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "Length:" not in doc:
+                unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not unexplained, "over ~450 lines without a 'Length:' paragraph: " + ", ".join(
+        unexplained
+    )

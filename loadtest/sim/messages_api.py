@@ -9,6 +9,9 @@ module does the same onto :class:`Generation`: the request becomes chat messages
 with the chat template of ``tokenizer.py`` and runs as one engine request, so batching, prefix
 caching, metrics, the request log and the faults act as on chat, and ``count_tokens`` counts the
 very prompt the generation runs. Shapes follow ``tests/fixtures/vllm_messages_*``.
+
+Length: one API's translation both ways (a request into chat, a chat answer and stream back into
+Messages) with its error shapes; each direction must be read against the other.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ deterministic: vectors come from a keyed hash of the input's token ids (:data:`D
 L2-normalised as vLLM normalises embeddings), so every replica and run agrees. They do not run
 through the engine (the simulator models generation only): faults, metrics and the scheduler do
 not see them. ``/v1/chat/completions/batch`` does: it is N chat requests in one.
+
+Length: nine small routes of one family, a few dozen lines each, sharing the input handling (texts,
+token ids, the hashed vectors); one module per route would scatter that.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ batching, prefix caching, metrics, the request log and the faults act as on chat
 The simulator behaves as vLLM started with ``VLLM_ENABLE_RESPONSES_API_STORE=1``: without it
 vLLM stores nothing, so ``previous_response_id`` and ``GET`` always answer 404 and
 ``background`` 400. vLLM's store never forgets; this one keeps the last :data:`STORE_SIZE`.
+
+Length: one API's whole surface (rendering a request, the streamed event sequence, the store and
+its routes) is one job, and its event shapes are checked against vLLM's best side by side.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ They are plain ASGI handlers dispatched by path before Starlette (``routes.Gatew
 chunk of every stream passes through them, and each middleware layer would add a wrapped
 ``send`` per chunk. An endpoint gets the parts it uses through ``EndpointParts``, looked up per
 request (a reload swaps ``policy`` and ``max_prefix_chars``), and the client-key ``Guard``.
+
+Length: one job, an endpoint's path (read, check, classify, relay, observe); every chunk of every
+stream passes through it, so it stays flat rather than layered.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ replica is left to the operator: detectors do not move it.
 Slow start: for ``health.slow_start_s`` after a readmission the replica's ``weight`` ramps from
 0.1 to 1 and ``load`` reports ``(raw + 1) / weight - 1``. A least-loaded balancer equalises
 that figure, so the newcomer holds about ``weight`` times the in-flight requests of a warm peer.
+
+Length: one job, the state machine that moves replicas between states, kept whole so its
+transitions read together.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Exactness holds only where nothing but the token context decides the next token,
 refusals: stop strings are matched on output text (a match across the seam would be missed and
 vLLM holds text back while sending its ids), a grammar restarts from its root on replayed ids,
 logprobs and ``n`` > 1 have no place in the splice, and a tool call would come back as raw text.
+
+Length: one job, continuation's pure parts, kept together so the eligibility rules and the
+rewriting they protect read side by side.
 """
 
 from __future__ import annotations

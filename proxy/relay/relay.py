@@ -13,6 +13,8 @@ For streams the status line, headers and the role-only first chunk are held unti
 chunk that carries content: until then nothing has reached the client, so a replica that fails,
 errors or stays silent can be abandoned and the request retried elsewhere. After that, an
 attempt is never retried; a failure ends the stream with an SSE error event.
+
+Length: one job, an attempt's life and the loop that retries it, judged in one place.
 """
 
 from __future__ import annotations

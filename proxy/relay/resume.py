@@ -6,6 +6,9 @@ ids kept (and hidden from a client that did not ask for them). When the replica 
 content reached the client, the generation goes on elsewhere within the policy's bounds
 (attempts, re-prefill slots, start timeout, the request's deadline) and is spliced into the
 client's one stream; otherwise the stream ends with the error event.
+
+Length: one job, a continuation's I/O from the failure to the splice; its steps share one stream's
+state and must be read in order.
 """
 
 from __future__ import annotations

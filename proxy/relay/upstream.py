@@ -21,6 +21,9 @@ looks the body up through ``request.content`` and reads a response in 16 KiB sli
 two generator layers. A relay sends the same few timeouts over and over and wants each chunk
 as it arrived, so the subclass keeps those conversions once and reads what the socket gave
 (``readany``).
+
+Length: one job, the seam to the HTTP client: the exception table, the transport and the raw reader
+must change together when a library moves.
 """
 
 from __future__ import annotations

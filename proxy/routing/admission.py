@@ -33,6 +33,9 @@ gateway runs only while something waits; it re-offers slots every ``SWEEP_S`` fo
 release announces (a replica readmitted, a reload raising a limit) and fails waiters whose
 pools went down. Queue operations are O(1): one ``OrderedDict`` per lane (append, pop first,
 remove any); choosing the lane is a sort of the few lanes that have waiters.
+
+Length: one job, admission's state machine (dispatch, queue, hand-off, sweep) and the ledger under
+it; the hand-off rule needs the queues and the counts in one place.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Estimate of prompt tokens::
 ``chars_per_token`` starts at ``estimate.chars_per_token`` and is learned per model from the
 ``usage.prompt_tokens`` that replicas report (``proxy.routing.estimate.Estimator``); which lane
 the profile takes is ``proxy.routing.lanes``.
+
+Length: one job, the one walk over the body shapes of every classified API (chat, completions,
+Messages, Responses, ...), a short function per shape.
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ its pending and applied records and its events, and the re-sync runs their steps
 that matters (write what we hold before trusting what we read). Everything pure lives beside
 it: the record codec and load sums (``codec``), the scripts (``scripts``), the lease decisions
 (``leases``), the bounded calls and the breaker (``redislink``).
+
+Length: one job, the Redis backend of the shared-state protocol. The three things it shares go over
+one connection, one breaker and one reconnect path, so they stay together; the codec, the Lua
+scripts, the link and the leases are modules of their own.
 """
 
 from __future__ import annotations
