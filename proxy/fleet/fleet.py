@@ -1,6 +1,6 @@
 """The fleet at run time: who serves what, how loaded, in which health state. The records of
-a replica and a pool are in ``replica.py``; this module is one job, the state machine that
-moves replicas between states, kept whole so its transitions read together (hence its length).
+a replica and a pool are in ``replica.py``; this module is the state machine that
+moves replicas between states.
 
 The fleet is plain data mutated only on the event loop, so reading it needs no lock. The
 balancer never sees it directly: it gets a list of candidate replicas (healthy, serving the

@@ -1,6 +1,6 @@
 """The upstream side of a request: its attempts and the retry loop around them.
 
-One job, in about 500 lines: an attempt's life (pick, request, watchdog, the fault it meets,
+Length: one job, in about 500 lines: an attempt's life (pick, request, watchdog, the fault it meets,
 judged in one place) and the loop that retries it. The answer's way to the client is
 ``proxy.relay.respond``; the choice of a replica is ``proxy.routing.pick``.
 
@@ -13,8 +13,6 @@ For streams the status line, headers and the role-only first chunk are held unti
 chunk that carries content: until then nothing has reached the client, so a replica that fails,
 errors or stays silent can be abandoned and the request retried elsewhere. After that, an
 attempt is never retried; a failure ends the stream with an SSE error event.
-
-Length: one job, an attempt's life and the loop that retries it, judged in one place.
 """
 
 from __future__ import annotations

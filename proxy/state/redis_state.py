@@ -35,15 +35,11 @@ Keys (prefix ``tokenlane``): ``{p}:replicas`` (hash: ``"{pool} {url}"`` → reco
 expiring after the homes' TTL; written in the background, read only for an id the instance
 does not know).
 
-One job, one class, so over the usual module size: ``RedisState``'s loops share its breaker,
+Length: one job, one class: ``RedisState``'s loops share its breaker,
 its pending and applied records and its events, and the re-sync runs their steps in an order
 that matters (write what we hold before trusting what we read). Everything pure lives beside
 it: the record codec and load sums (``codec``), the scripts (``scripts``), the lease decisions
 (``leases``), the bounded calls and the breaker (``redislink``).
-
-Length: one job, the Redis backend of the shared-state protocol. The three things it shares go over
-one connection, one breaker and one reconnect path, so they stay together; the codec, the Lua
-scripts, the link and the leases are modules of their own.
 """
 
 from __future__ import annotations
