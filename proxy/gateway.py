@@ -35,6 +35,7 @@ from proxy.observe.tracing import from_environ as tracer_from_environ
 from proxy.policyfile import policy_from_text, read_policy_text
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.relay import Relay, make_client
+from proxy.routing import cache_aware
 from proxy.routing.admission import Admission, replica_row
 from proxy.routing.estimate import Estimator
 from proxy.state.codec import ReplicaRecord
@@ -119,6 +120,7 @@ class Gateway:
             policy=lambda: self.policy,
             tracer=self.tracer,
             homes=ResponseHomes(shared=self.shared),
+            share_placement=self.shared.share_placement,
         )
         self.health = HealthMonitor(
             self.fleet,
@@ -223,6 +225,7 @@ class Gateway:
             "version": self.version,
             "text": self.policy_text,
             "pid": os.getpid(),
+            "placements": cache_aware.snapshot(self.fleet),
         }
 
     def adopt_sync(self, answer: Mapping[str, Any]) -> None:
@@ -234,6 +237,7 @@ class Gateway:
         replicas = list(self.fleet.replicas())
         for item in answer.get("health", []):  # after the records: slow start goes on as it was
             apply_health(replicas, item)
+        cache_aware.adopt(self.fleet, answer.get("placements", {}))
 
     def in_flight(self, replica: Replica) -> int:
         if self.link is None:
@@ -246,6 +250,15 @@ class Gateway:
         for replica in self.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
             m.set_replica_state(replica.pool, replica.name, replica.state.value)
+        # Indexes also grow by what other workers and instances placed, between own picks.
+        for pool, router in cache_aware.routers(self.fleet).items():
+            if pool not in self.fleet.pools:
+                continue
+            names = {r.name for r in self.fleet.pools[pool].replicas}  # removed ones stay gone
+            for name, ix in router.indexes.items():
+                if name in names:
+                    m.series(m.prefix_index_blocks, pool, name).set(len(ix))
+            m.series(m.prefix_index_bytes, pool).set(sum(i.nbytes for i in router.indexes.values()))
 
     def local_families(self) -> list[Family]:
         """This process's metrics, as data (one worker's share of a merged scrape)."""

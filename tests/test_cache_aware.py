@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 
 from proxy.config import CacheAwareConfig, PoolConfig, ReplicaConfig
-from proxy.fleet.fleet import Replica
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.fleet.vllm import EngineSample
+from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
+from proxy.routing import cache_aware
 from proxy.routing.cache_aware import CacheAwareRouter, View, decide
 from proxy.routing.prefix_index import ENTRY_BYTES, PrefixIndex, text_block_hashes
 
@@ -296,3 +300,68 @@ def test_explain_shows_the_match_per_candidate_and_why(tmp_path, capsys) -> None
     assert sorted(matched.values())[0] == 0 and sorted(matched.values())[1] > 500
     assert ca["winner"] == max(matched, key=matched.__getitem__)
     assert ca["reason"] == "longest_match" and ca["winner"] in ca["why"]
+
+
+# ------------------------------------------------------------- placements made elsewhere
+
+
+def cache_aware_fleet() -> Fleet:
+    policy = build_policy(
+        {
+            "pools": {
+                "p": {
+                    "balance": "cache_aware",
+                    "replicas": [{"url": "http://r0"}, {"url": "http://r1"}, {"url": "http://r2"}],
+                },
+                "q": {"replicas": [{"url": "http://r0"}]},
+            },
+            "lanes": [{"name": "all", "pool": "p"}],
+        }
+    )
+    fleet = Fleet(policy, {}, metrics=Metrics())
+    for r in fleet.replicas():
+        r.stats.stale = False
+    return fleet
+
+
+def test_a_placement_shared_by_one_gateway_is_matched_by_another() -> None:
+    """What one process picks, another learns (``share`` → ``learn``), and its own pick then
+    matches the prefix on the same replica instead of treating it as new."""
+    a, b = cache_aware_fleet(), cache_aware_fleet()
+    shared: list[tuple[str, str, list[int]]] = []
+
+    def share(pool: str, url: str, hashes: Sequence[int]) -> None:
+        shared.append((pool, url, list(hashes)))
+        cache_aware.learn(b, pool, url, hashes)
+
+    first = FakeCall("c1", prompt(7, 0))
+    home = cache_aware.pick(a, Metrics(), 4.0, "p", a.pools["p"].replicas, first, random.Random(0), share)  # type: ignore[arg-type]  # fmt: skip
+    assert home is not None and [(p, u) for p, u, _ in shared] == [("p", home.url)]
+    assert shared[0][2] and all(isinstance(h, int) for h in shared[0][2])
+    again = FakeCall("c2", prompt(7, 1))
+    picked = cache_aware.router_for(b, "p").pick(b.pools["p"].replicas, again, CFG, 4.0, random.Random(1))  # type: ignore[arg-type]  # fmt: skip
+    assert picked is not None
+    chosen, verdict = picked
+    assert (chosen.url, verdict.reason) == (home.url, "longest_match")
+    assert again.prefix_match_tokens and again.prefix_match_tokens > 1000
+
+
+def test_a_placement_for_a_pool_or_replica_this_gateway_lacks_is_ignored() -> None:
+    fleet = cache_aware_fleet()
+    cache_aware.learn(fleet, "gone", "http://r0", [1, 2])  # no such pool (not reloaded yet)
+    cache_aware.learn(fleet, "q", "http://r0", [1, 2])  # not a cache_aware pool
+    cache_aware.learn(fleet, "p", "http://elsewhere", [1, 2])  # no such replica
+    assert cache_aware.snapshot(fleet) == {}
+    cache_aware.learn(fleet, "p", "http://r1", [1, 2])
+    assert cache_aware.snapshot(fleet) == {"p": {"http://r1": [2, 1]}}  # head most recent
+
+
+def test_a_starting_worker_takes_over_the_indexes_in_their_order() -> None:
+    old, new = cache_aware_fleet(), cache_aware_fleet()
+    for blocks in ([1, 2, 3], [4, 5], [1, 9]):
+        cache_aware.learn(old, "p", "http://r2", blocks)
+    cache_aware.learn(old, "p", "http://r0", [6])
+    taken = cache_aware.snapshot(old)
+    assert taken["p"]["http://r2"] == [3, 2, 5, 4, 9, 1]  # least recent first
+    cache_aware.adopt(new, taken)
+    assert cache_aware.snapshot(new) == taken

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -54,6 +54,7 @@ class View:
         self.counts: dict[str, int] = {}
         self.applied: list[ReplicaRecord] = []
         self.loads: list[dict[str, int]] = []
+        self.placements: list[tuple[str, str, list[int]]] = []
 
     def records(self) -> list[ReplicaRecord]:
         return list(self.known)
@@ -67,6 +68,9 @@ class View:
 
     def remote_load(self, in_flight: Mapping[str, int]) -> None:
         self.loads.append(dict(in_flight))
+
+    def learn_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        self.placements.append((pool, url, list(hashes)))
 
     def last(self, url: str) -> ReplicaRecord | None:
         found = [r for r in self.applied if r.url == url]
@@ -84,9 +88,9 @@ def cfg(url: str, **kw: float) -> RedisConfig:
     )
 
 
-def subscribers(server: RedisServer) -> int:
-    """Connections subscribed to the records' channel, as Redis counts them."""
-    reply = server.command("PUBSUB", "NUMSUB", "tokenlane:replicas:changed")
+def subscribers(server: RedisServer, channel: str = "tokenlane:replicas:changed") -> int:
+    """Connections subscribed to ``channel`` (the records'), as Redis counts them."""
+    reply = server.command("PUBSUB", "NUMSUB", channel)
     return int(reply.split()[-1].lstrip(b":"))
 
 
@@ -830,3 +834,27 @@ async def test_a_stored_responses_home_learned_by_one_instance_is_found_by_the_o
         redis_server.kill()
         # A lookup while Redis is gone (breaker closed or open): a miss, never an error.
         assert await ResponseHomes(shared=c).lookup("resp_1") is None
+
+
+async def test_a_cache_aware_placement_reaches_the_other_instance_and_not_its_maker(
+    redis_server: RedisServer,
+) -> None:
+    """Placements go over pub/sub, batched, with 64-bit hashes intact; the maker ignores its
+    own. While Redis is down placements are dropped, not queued without bound."""
+    big = [2**64 - 1, 0, 12345678901234567890]
+    async with instance(redis_server, name="a") as (a, view_a):
+        async with instance(redis_server, name="b") as (b, view_b):
+            subscribed = lambda: subscribers(redis_server, "tokenlane:placed") >= 2  # noqa: E731
+            await wait_until(subscribed, what="both subscribed")
+            a.share_placement("p", U1, big)
+            a.share_placement("p", U2, [7])
+            await wait_until(lambda: len(view_b.placements) == 2, what="b learned both")
+            assert view_b.placements == [("p", U1, big), ("p", U2, [7])]
+            b.share_placement("p", U2, [8])  # a hears b's: proof a's subscription works
+            await wait_until(lambda: view_a.placements, what="a learned b's placement")
+            assert view_a.placements == [("p", U2, [8])]  # and never its own
+        redis_server.kill()
+        await wait_until(lambda: not a.up, what="a saw Redis go")
+        for i in range(5000):
+            a.share_placement("p", U1, [i])
+        assert a._placements == []  # nothing kept while down

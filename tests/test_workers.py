@@ -447,3 +447,51 @@ async def test_a_stored_response_learned_by_one_worker_is_found_by_the_other(
                 return all(served)  # each worker has answered (the create, or a retrieve)
 
             await wait_until(retrieved_by_both, what="the response retrieved through both workers")
+
+
+async def test_a_prefix_placed_by_one_worker_is_matched_by_the_other(tmp_path: Path) -> None:
+    """``cache_aware`` across workers: where one worker sent a prompt, the other worker knows
+    it too (its own index learns the placement), so a later request with the same prefix is
+    matched and sent to the same replica whichever worker takes it."""
+    system = " ".join(f"rule{i} keeps the answer short and exact." for i in range(80))
+
+    def body(question: str) -> dict[str, Any]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+    async def served() -> list[float]:
+        return [await serve.worker_metric(w, "tokenlane_requests_total") for w in (0, 1)]
+
+    async def send(question: str) -> tuple[int, str]:
+        """Which worker took it, and the replica it went to."""
+        before = await served()
+        async with httpx.AsyncClient(timeout=30) as fresh:  # a new connection
+            r = await fresh.post(serve.url + "/v1/chat/completions", json=body(question))
+        assert r.status_code == 200, r.text
+        after = await served()
+        (worker,) = [w for w in (0, 1) if after[w] > before[w]]
+        return worker, r.headers["x-tokenlane-replica"]
+
+    async with run_sim(FAST_SIM, name="a") as a, run_sim(FAST_SIM, name="b") as b:
+        policy = policy_for({"p": [a.url, b.url]}, balance="cache_aware")
+        async with serve_workers(policy, tmp_path) as serve:
+            first, home = await send("question 0")
+            other = 1 - first
+
+            async def other_learned() -> bool:
+                blocks = await serve.worker_metric(
+                    other, "tokenlane_prefix_index_blocks", replica=home
+                )
+                return blocks > 0
+
+            await wait_until(other_learned, what=f"worker {other} learned the placement")
+            # Until the other worker takes one (the kernel spreads new connections).
+            for i in range(1, 400):
+                worker, replica = await send(f"question {i}")
+                assert replica == home, (i, worker)
+                if worker == other:
+                    break
+            else:
+                raise AssertionError(f"worker {other} never took a connection")
+            matched = await serve.worker_metric(other, "tokenlane_prefix_match_tokens_sum")
+            assert matched > 0  # its own pick matched the prefix: it did not guess

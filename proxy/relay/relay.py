@@ -22,7 +22,7 @@ import contextlib
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import httpx
@@ -109,9 +109,12 @@ class Relay:
         policy: Callable[[], Policy],
         tracer: Tracer | None = None,
         homes: ResponseHomes | None = None,
+        share_placement: Callable[[str, str, Sequence[int]], None] | None = None,
     ) -> None:
         """``policy`` is a getter: a reload swaps the policy, and each request reads the one
-        current when it starts. ``homes`` learns where each stored response lives."""
+        current when it starts. ``homes`` learns where each stored response lives;
+        ``share_placement`` tells the other workers and instances where a ``cache_aware`` pick
+        sent a prompt."""
         self.homes = homes if homes is not None else ResponseHomes()
         self.admission = admission
         self.fleet = fleet
@@ -135,7 +138,7 @@ class Relay:
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
-        self.picker = Picker(fleet, admission, metrics, policy, self.rng)
+        self.picker = Picker(fleet, admission, metrics, policy, self.rng, share_placement)
         self.responder = Responder(metrics, policy, tracer, self.homes)
         # Finishing a stream on another replica when its own fails mid-answer.
         self.resumer = Resumer(

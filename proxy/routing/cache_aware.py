@@ -25,13 +25,19 @@ most headroom, then to the RNG. What follows from the one formula:
 
 ``decide`` is the pure part (table-tested); ``CacheAwareRouter`` holds the per-replica indexes and
 the queued-token ledger of one pool and is what the relay calls.
+
+Placements are shared: every pick is handed to shared state (``SharedState.share_placement``),
+which tells the serve's other workers and, with Redis, the other instances; they ``learn`` it
+into their own indexes. So each index holds what the whole gateway sent, not one process's
+share of it. The queued-token ledger stays per process: it covers only the instants between a
+pick and its first token, and the replicas' ``load`` (shared) carries the rest.
 """
 
 from __future__ import annotations
 
 import random
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +49,7 @@ if TYPE_CHECKING:
     from proxy.observe.metrics import Metrics
     from proxy.relay.call import Call
 
-__all__ = ["CacheAwareRouter", "Row", "Verdict", "View", "decide", "router_for"]
+__all__ = ["CacheAwareRouter", "Row", "Verdict", "View", "decide", "learn", "router_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,10 @@ class CacheAwareRouter:
             del self._queued[rid]
         return out
 
+    def learn(self, replica: Replica, cfg: CacheAwareConfig, hashes: Sequence[int]) -> None:
+        """Another process sent a prompt with these blocks to ``replica``."""
+        self.index(replica, cfg).touch(hashes)
+
     def pick(
         self,
         candidates: Sequence[Replica],
@@ -158,6 +168,7 @@ class CacheAwareRouter:
         cfg: CacheAwareConfig,
         chars_per_token: float,
         rng: random.Random,
+        placed: Callable[[Replica, list[int]], None] | None = None,
     ) -> tuple[Replica, Verdict] | None:
         if not candidates:
             return None
@@ -188,6 +199,8 @@ class CacheAwareRouter:
         verdict = decide(views, prompt_tokens, cfg, rng)
         chosen = candidates[verdict.index]
         indexes[verdict.index].touch(hashes)
+        if placed is not None and hashes:
+            placed(chosen, hashes)
         matched_tokens = verdict.rows[verdict.index].matched_tokens
         uncached = max(0.0, prompt_tokens - matched_tokens)
         self._queued[call.request_id] = (call, chosen.name, uncached)
@@ -223,6 +236,40 @@ def routers(fleet: Fleet) -> dict[str, CacheAwareRouter]:
     return _routers.get(fleet, {})
 
 
+def learn(fleet: Fleet, pool: str, url: str, hashes: Sequence[int]) -> None:
+    """A placement made elsewhere (another worker or instance), into this fleet's index of the
+    replica at ``url``; ignored when this fleet has no such ``cache_aware`` pool or replica
+    (a reload not applied here yet)."""
+    cfg = fleet.pools.get(pool)
+    if cfg is None or cfg.config.balance != "cache_aware":
+        return
+    for replica in fleet.find(url, pool):
+        router_for(fleet, pool).learn(replica, cfg.config.cache_aware, hashes)
+
+
+def snapshot(fleet: Fleet) -> dict[str, dict[str, list[int]]]:
+    """pool → replica URL → its index's blocks, least recent first: what a starting worker
+    takes over."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for pool_name, router in routers(fleet).items():
+        pool = fleet.pools.get(pool_name)
+        if pool is None:
+            continue
+        urls = {r.name: r.url for r in pool.replicas}
+        out[pool_name] = {
+            urls[name]: ix.blocks() for name, ix in router.indexes.items() if name in urls
+        }
+    return out
+
+
+def adopt(fleet: Fleet, taken: Mapping[str, Mapping[str, Sequence[int]]]) -> None:
+    """A peer's ``snapshot``, into this fleet's (empty) indexes, keeping their order."""
+    for pool, by_url in taken.items():
+        for url, blocks in by_url.items():
+            # ``touch`` makes its first block the most recent, so least recent goes last.
+            learn(fleet, pool, url, list(reversed(blocks)))
+
+
 def pick(
     fleet: Fleet,
     metrics: Metrics,
@@ -231,11 +278,16 @@ def pick(
     candidates: Sequence[Replica],
     call: Call,
     rng: random.Random,
+    share: Callable[[str, str, Sequence[int]], None] | None = None,
 ) -> Replica | None:
-    """The relay's entry point: route ``call`` within ``pool`` and record the pick in metrics."""
+    """The relay's entry point: route ``call`` within ``pool``, record the pick in metrics and
+    hand the placement to ``share`` (``SharedState.share_placement``)."""
     cfg = fleet.pools[pool].config.cache_aware
     router = router_for(fleet, pool)
-    picked = router.pick(candidates, call, cfg, chars_per_token, rng)
+    placed = None
+    if share is not None:
+        placed = lambda replica, hashes: share(pool, replica.url, hashes)  # noqa: E731
+    picked = router.pick(candidates, call, cfg, chars_per_token, rng, placed)
     if picked is None:
         return None
     chosen, verdict = picked

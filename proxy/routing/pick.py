@@ -7,7 +7,7 @@ A pinned request (a stored response's continuation) has its one replica or none.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.fleet.fleet import Fleet, Pool, Replica
@@ -31,12 +31,14 @@ class Picker:
         metrics: Metrics,
         policy: Callable[[], Policy],
         rng: random.Random,
+        share_placement: Callable[[str, str, Sequence[int]], None] | None = None,
     ) -> None:
         self.fleet = fleet
         self.admission = admission
         self.metrics = metrics
         self.policy = policy
         self.rng = rng
+        self.share_placement = share_placement  # cache_aware picks, to the other processes
 
     def try_pick(self, call: Call) -> Replica | None:
         """A replica of the lane's pool, else of its ``spill_to`` pool, that can take the
@@ -83,7 +85,14 @@ class Picker:
         if cfg.balance == "cache_aware":
             chars = self.policy().estimate.chars_per_token
             return cache_aware.pick(
-                self.fleet, self.metrics, chars, pool_name, cands, call, self.rng
+                self.fleet,
+                self.metrics,
+                chars,
+                pool_name,
+                cands,
+                call,
+                self.rng,
+                self.share_placement,
             )
         key = None
         if cfg.balance == "prefix_affinity" and call.profile is not None:

@@ -99,6 +99,10 @@ class PrefixIndex:
         self.capacity = capacity
         self._evict()
 
+    def blocks(self) -> list[int]:
+        """Every block, least recently used first."""
+        return list(self._blocks)
+
     def clear(self) -> None:
         self._blocks.clear()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from proxy.config import RateLimitsConfig
 from proxy.routing.ratelimit import LocalRateLimiter, RateLimiter
@@ -39,4 +39,7 @@ class LocalState:
         return None
 
     async def response_home(self, response_id: str) -> str | None:
+        return None
+
+    def share_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from proxy.config import RateLimitsConfig
@@ -40,6 +40,11 @@ class LocalView(Protocol):
 
     def remote_load(self, in_flight: Mapping[str, int]) -> None:
         """url → the other live instances' in-flight sum; empty while Redis is unreachable."""
+        ...
+
+    def learn_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        """Another instance (or worker) sent a prompt with these prefix blocks to the replica
+        at ``url`` of ``pool``: its ``cache_aware`` index learns them as if sent from here."""
         ...
 
 
@@ -73,6 +78,13 @@ class SharedState(Protocol):
     async def response_home(self, response_id: str) -> str | None:
         """The replica another instance learned for ``response_id``; None when none did, or
         shared state is down (one bounded call: only for an id this instance does not know)."""
+        ...
+
+    def share_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        """A ``cache_aware`` pick: the prompt's prefix blocks went to the replica at ``url``.
+        Sent to the other instances (or workers) in the background; never waits, never
+        raises; lost while shared state is down (a placement is a hint: a lost one costs cache
+        hits, not correctness)."""
         ...
 
 

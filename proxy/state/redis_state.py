@@ -33,7 +33,9 @@ Keys (prefix ``tokenlane``): ``{p}:replicas`` (hash: ``"{pool} {url}"`` → reco
 ``{p}:inflight:{instance}`` (hash: url → count, ``_at``), ``{p}:rl:{limit}:{key id}`` (bucket),
 ``{p}:resp:{response id}`` (the URL of the replica holding a stored Responses-API response,
 expiring after the homes' TTL; written in the background, read only for an id the instance
-does not know).
+does not know), ``{p}:placed`` (channel: ``cache_aware`` placements, published in batches as
+the write loop gets to them; a placement missed while disconnected is not replayed, since it is
+a hint that costs hits when lost, never correctness).
 
 Length: one job, one class: ``RedisState``'s loops share its breaker,
 its pending and applied records and its events, and the re-sync runs their steps in an order
@@ -47,9 +49,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -81,6 +84,7 @@ T = TypeVar("T")
 
 RECONCILE_S = 1.0  # full read of the replica records and of the others' load
 MAX_PENDING_HOMES = 10_000  # stored responses' homes waiting to be written
+MAX_PENDING_PLACEMENTS = 1_000  # cache_aware placements waiting to be published
 SUBSCRIBE_POLL_S = 1.0  # a pub/sub read waits this long for a message, then loops
 
 
@@ -119,6 +123,10 @@ class RedisState:
         # Stored responses' homes not yet written (response id → (url, ttl_s)); bounded: while
         # Redis is down the oldest are dropped (each instance still knows its own).
         self._homes_pending: dict[str, tuple[str, float]] = {}
+        self._placed_channel = f"{prefix}:placed"
+        # cache_aware placements not yet published: (pool, url, block hashes); dropped while
+        # Redis is down (the other instances learn again from the next ones).
+        self._placements: list[tuple[str, str, list[int]]] = []
         self._up: bool | None = None  # None until the first attempt to join
         self._view: LocalView | None = None
         self._applied: dict[str, float] = {}  # field → updated_at of the newest record applied
@@ -198,6 +206,15 @@ class RedisState:
         pending[response_id] = (url, ttl_s)
         if len(pending) > MAX_PENDING_HOMES:
             del pending[next(iter(pending))]
+        self._dirty.set()
+
+    def share_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        if not self._up:
+            return
+        pending = self._placements
+        pending.append((pool, url, list(hashes)))
+        if len(pending) > MAX_PENDING_PLACEMENTS:
+            del pending[0]
         self._dirty.set()
 
     async def response_home(self, response_id: str) -> str | None:
@@ -319,6 +336,7 @@ class RedisState:
     # -- replica records -------------------------------------------------------------------
 
     async def _flush(self) -> None:
+        await self._flush_placements()
         await self._flush_homes()
         for key, record in list(self._pending.items()):
 
@@ -348,6 +366,24 @@ class RedisState:
                 # (the shared count differs from ours): adopt what Redis holds. After an
                 # outage this is how newer transitions made elsewhere beat our pending ones.
                 self._apply(stored, force=True)
+
+    async def _flush_placements(self) -> None:
+        """Everything placed since the last flush, in one message."""
+        placed, self._placements = self._placements, []
+        if not placed:
+            return
+        data = json.dumps({"i": self.instance, "p": placed}, separators=(",", ":"))
+        await self._call(lambda: self._redis.publish(self._placed_channel, data), "placements")
+
+    def _on_placed(self, data: str) -> None:
+        try:
+            message = json.loads(data)
+            if message["i"] == self.instance or self._view is None:
+                return
+            for pool, url, hashes in message["p"]:
+                self._view.learn_placement(str(pool), str(url), [int(h) for h in hashes])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("shared state: ignoring a placement message: %s", exc)
 
     async def _flush_homes(self) -> None:
         homes, self._homes_pending = self._homes_pending, {}
@@ -521,13 +557,17 @@ class RedisState:
             pubsub = self._redis.pubsub()
             try:
                 async with asyncio.timeout(self.config().timeout_ms / 1000):
-                    await pubsub.subscribe(self._channel)
+                    await pubsub.subscribe(self._channel, self._placed_channel)
                 self._reconcile_now.set()
                 while self._up:
                     message = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=SUBSCRIBE_POLL_S
                     )
-                    if message is not None and message.get("type") == "message":
+                    if message is None or message.get("type") != "message":
+                        continue
+                    if message.get("channel") == self._placed_channel:
+                        self._on_placed(message["data"])
+                    else:
                         self._on_message(message["data"])
             except REDIS_ERRORS as exc:
                 if cancelling():

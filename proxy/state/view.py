@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
+from proxy.routing import cache_aware
 from proxy.state.codec import ReplicaRecord
 from proxy.state.protocol import SharedState
 
@@ -82,3 +83,6 @@ class FleetView:
     def remote_load(self, in_flight: Mapping[str, int]) -> None:
         for r in self.fleet.replicas():
             r.remote_in_flight = in_flight.get(r.url, 0)
+
+    def learn_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        cache_aware.learn(self.fleet, pool, url, hashes)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -206,6 +206,9 @@ class MeshState:
     async def response_home(self, response_id: str) -> str | None:
         return None  # every worker was told
 
+    def share_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
+        self.link.mesh.tell_all({"t": "placed", "pool": pool, "url": url, "h": list(hashes)})
+
 
 def health_item(replica: Replica) -> dict[str, Any]:
     s = replica.stats
@@ -317,6 +320,9 @@ class WorkerLink:
             gw.adopt(message["text"], int(message["version"]))
         elif kind == "home":
             gw.relay.homes.remember(str(message["id"]), str(message["url"]), share=False)
+        elif kind == "placed":
+            if self.state is not None and self.state.view is not None:
+                self.state.view.learn_placement(message["pool"], message["url"], message["h"])
 
     async def _ask(self, message: Message) -> Message:
         gw = self.gateway
