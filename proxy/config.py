@@ -189,6 +189,17 @@ class ReplicaConfig(_Strict):
         "client's own credentials never reach a replica.",
     )
     dns: bool = key(False, "Expand the host into one replica per DNS address.")
+    kv_events: str | None = key(
+        None,
+        "ZMQ endpoint of the replica's KV cache events as this gateway reaches it (vLLM "
+        "`--kv-events-config` `endpoint`, e.g. `tcp://vllm-0:5557`): a `cache_aware` pool then "
+        "routes on the blocks the replica really holds.",
+    )
+    kv_events_replay: str | None = key(
+        None,
+        "Its replay endpoint (`replay_endpoint`), to fetch batches missed after a gap.",
+    )
+    kv_events_topic: str = key("", "Its `topic` (the first frame of every event message).")
 
     @field_validator("url")
     @classmethod
@@ -253,6 +264,29 @@ class CacheAwareConfig(_Strict):
         64,
         "Cost of one request in flight or waiting, in prefill tokens (decode steps slow a batch).",
         "tokens",
+        ge=0,
+    )
+    render_timeout_s: float = key(
+        2.0,
+        "Precise mode (replicas with `kv_events`): how long to wait for a replica's render "
+        "endpoint to give the prompt's token ids; past it the request is routed on the "
+        "approximate index.",
+        "seconds",
+        gt=0,
+    )
+    events_stale_s: float = key(
+        5.0,
+        "Precise mode: a replica sent a request this long ago and no event batch since, or its "
+        "event stream lost batches it could not replay: it is routed on the approximate index "
+        "until its events flow again.",
+        "seconds",
+        gt=0,
+    )
+    speculative_s: float = key(
+        2.0,
+        "Precise mode: a prompt's blocks count as held on the replica it was sent to for this "
+        "long, until its own events say so (a burst sees its own placements).",
+        "seconds",
         ge=0,
     )
 

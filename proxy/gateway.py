@@ -27,6 +27,7 @@ from proxy.errors import PolicyError
 from proxy.fleet.discovery import Discovery, dns_hosts, expand
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.fleet.health import HealthMonitor
+from proxy.fleet.kv_events import KvEventFeeds, PromptTokens
 from proxy.observe.merge import Family, families, merge, registry_of, worker_gauges
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
@@ -47,6 +48,10 @@ from proxy.workers.link import WorkerLink, apply_health, health_item
 log = logging.getLogger("tokenlane")
 
 POLICY_POLL_S = 1.0
+
+
+def _cache_aware_pools(policy: Policy) -> list[str]:
+    return [name for name, pool in policy.pools.items() if pool.balance == "cache_aware"]
 
 
 def _file_hash(path: str) -> bytes | None:
@@ -112,6 +117,8 @@ class Gateway:
         self.health_client = make_client(policy)
         # Off (None) unless the OTEL_EXPORTER_OTLP_* variables name a collector.
         self.tracer = tracer_from_environ(self.environ)
+        # Replicas' KV cache events (precise cache_aware routing), subscribed to from start().
+        self.feeds = KvEventFeeds(self.fleet, self.metrics)
         self.relay = Relay(
             self.client,
             admission=self.admission,
@@ -121,6 +128,8 @@ class Gateway:
             tracer=self.tracer,
             homes=ResponseHomes(shared=self.shared),
             share_placement=self.shared.share_placement,
+            feeds=self.feeds,
+            prompt_tokens=PromptTokens(self.feeds, self.health_client),
         )
         self.health = HealthMonitor(
             self.fleet,
@@ -134,7 +143,7 @@ class Gateway:
         self.shutting_down = False
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
-        self.metrics.sync(policy.lanes, self.fleet.replicas())
+        self.metrics.sync(policy.lanes, self.fleet.replicas(), _cache_aware_pools(policy))
         for pool in policy.pools:
             self.metrics.panic.labels(pool).set(0)
 
@@ -250,15 +259,26 @@ class Gateway:
         for replica in self.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
             m.set_replica_state(replica.pool, replica.name, replica.state.value)
-        # Indexes also grow by what other workers and instances placed, between own picks.
-        for pool, router in cache_aware.routers(self.fleet).items():
-            if pool not in self.fleet.pools:
+        # cache_aware pools: indexes also grow by what other workers and instances placed, and
+        # the replicas' hit counters move after the last pick; both are read at the scrape.
+        self.feeds.refresh_gauges(lambda pool: self.policy.pools[pool].cache_aware.events_stale_s)
+        routers = cache_aware.routers(self.fleet)
+        for name, pool in self.fleet.pools.items():
+            if pool.config.balance != "cache_aware":
                 continue
-            names = {r.name for r in self.fleet.pools[pool].replicas}  # removed ones stay gone
-            for name, ix in router.indexes.items():
-                if name in names:
-                    m.series(m.prefix_index_blocks, pool, name).set(len(ix))
-            m.series(m.prefix_index_bytes, pool).set(sum(i.nbytes for i in router.indexes.values()))
+            router = routers.get(name)
+            indexes = router.indexes if router is not None else {}
+            for replica in pool.replicas:
+                sample = replica.stats.sample
+                m.series(m.replica_prefix_hits, name, replica.name).set(
+                    sample.prefix_cache_hits_total
+                )
+                m.series(m.replica_prefix_queries, name, replica.name).set(
+                    sample.prefix_cache_queries_total
+                )
+                ix = indexes.get(replica.name)
+                m.series(m.prefix_index_blocks, name, replica.name).set(len(ix) if ix else 0)
+            m.series(m.prefix_index_bytes, name).set(sum(i.nbytes for i in indexes.values()))
 
     def local_families(self) -> list[Family]:
         """This process's metrics, as data (one worker's share of a merged scrape)."""
@@ -291,7 +311,8 @@ class Gateway:
         self.admission.set_lanes(declared.lanes)
         self.admission.kick()  # new replicas or looser limits may serve waiters now
         self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
-        self.metrics.sync(declared.lanes, self.fleet.replicas())
+        self.metrics.sync(declared.lanes, self.fleet.replicas(), _cache_aware_pools(declared))
+        self.feeds.sync()
         for pool in declared.pools:
             self.metrics.series(self.metrics.panic, pool)
 
@@ -336,6 +357,7 @@ class Gateway:
             await self.link.start(self, self.policy_text)
         if self.leader:  # the workers' leader probes for all of them
             await self.health.start()
+        self.feeds.start()  # every worker subscribes for itself
         self._tasks = [asyncio.create_task(self._discover())]
         if self.policy_path is not None and self.leader:
             self._policy_hash = _file_hash(self.policy_path)
@@ -347,6 +369,7 @@ class Gateway:
                 task.cancel()
             await self.admission.close()
             await self.health.stop()
+            await self.feeds.stop()
             await self.shared.stop()
             if self.link is not None:
                 await self.link.stop()

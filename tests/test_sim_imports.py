@@ -15,7 +15,7 @@ SIM = Path(__file__).resolve().parent.parent / "loadtest" / "sim"
 # a circle.
 LAYERS: dict[str, int] = {
     "settings": 0, "faults": 0, "tokenizer": 0, "kvcache": 0,
-    "generate": 1, "protocol": 1, "formats": 1,
+    "generate": 1, "protocol": 1, "formats": 1, "kv_events": 1,
     "scheduler": 2, "metrics": 3, "engine": 3, "listener": 3,
     "replica": 4, "generation": 5, "responses_api": 6, "messages_api": 6, "pooling_api": 6,
     "realtime_api": 6,

@@ -252,6 +252,8 @@ def build_routes(sim: Sim) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sim.engine.start()
+        if sim.kv_events is not None:
+            sim.kv_events.start()
         try:
             yield
         finally:

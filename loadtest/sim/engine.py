@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from .scheduler import EngineRequest, Scheduler, StepPlan, StepResult
 from .settings import SimSettings
@@ -58,6 +58,8 @@ class Engine:
         self.completed = 0  # requests finished with stop or length
         self.aborted = 0
         self._parked: list[EngineRequest] = []  # arrived during a stall: never seen
+        # Where each step's KV cache events go (``kv_events.KvEventPublisher.publish``).
+        self.kv_sink: Callable[[list[tuple[Any, ...]]], None] | None = None
         self._in_transit: set[EngineRequest] = set()  # between API server and engine
         self._wake = asyncio.Event()
         self._unstalled = asyncio.Event()
@@ -168,7 +170,14 @@ class Engine:
         """A fresh engine core: empty queues and an empty KV cache."""
         self.dead = None
         self.scheduler.pool.reset()
+        self._flush_kv_events()
         self._wake.set()
+
+    def _flush_kv_events(self) -> None:
+        events = self.scheduler.pool.events
+        if events and self.kv_sink is not None:
+            self.scheduler.pool.events = []
+            self.kv_sink(events)
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -202,6 +211,7 @@ class Engine:
                 continue
             now = self.clock()
             result = sched.complete(plan, now)
+            self._flush_kv_events()  # one batch per step, as vLLM's scheduler publishes
             self.completed += len(result.finished)
             if self.observer is not None:
                 self.observer.on_step(plan, result, now)

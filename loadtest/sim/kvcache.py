@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 NO_HASH = 0  # parent of the first block
 
@@ -32,6 +33,9 @@ class BlockPool:
         self.in_use = 0  # blocks held by at least one request
         self._refs: dict[int, int] = {}  # hash of a cached block -> number of holders
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder; LRU first
+        # What vLLM's KV events would say (``kv_events.py`` publishes them), when asked for:
+        # ("stored", hashes, parent or None, token ids), ("removed", hashes), ("cleared",).
+        self.events: list[tuple[Any, ...]] | None = None
 
     @property
     def free(self) -> int:
@@ -75,9 +79,13 @@ class BlockPool:
         if n > self.free:
             return False
         never_used = self.num_blocks - self.in_use - len(self._evictable)
+        evicted = []
         for _ in range(n - min(n, never_used)):
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
+            evicted.append(h)
+        if evicted and self.events is not None:
+            self.events.append(("removed", evicted))
         self.in_use += n
         return True
 
@@ -109,3 +117,5 @@ class BlockPool:
         self._refs.clear()
         self._evictable.clear()
         self.in_use = 0
+        if self.events is not None:
+            self.events.append(("cleared",))

@@ -16,12 +16,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import faults, protocol
+from . import faults, kv_events, protocol
 from .engine import Engine
 from .faults import Fault, FaultError
 from .listener import Listener
 from .metrics import SimMetrics
-from .settings import SimSettings, validated
+from .settings import SimSettings, options_from_json, validated
 
 log = logging.getLogger("tokenlane.sim")
 
@@ -53,6 +53,10 @@ class Sim:
         self.request_log: deque[dict[str, Any]] = deque(maxlen=max(1, settings.request_log_size))
         self.engine: Engine
         self.metrics: SimMetrics
+        options = options_from_json(settings.kv_events_config)
+        self.kv_events = (
+            kv_events.KvEventPublisher(options, settings.block_size) if options else None
+        )
         self._new_engine()
         self._scrape_key: tuple[Any, ...] | None = None
         self._scrape: bytes = b""
@@ -61,6 +65,10 @@ class Sim:
         self.metrics = SimMetrics(self.settings)
         self.engine = Engine(self.settings, self.metrics)
         engine = self.engine
+        if self.kv_events is not None:
+            self.kv_events.new_engine()
+            engine.scheduler.pool.events = []
+            engine.kv_sink = self.kv_events.publish
         self.metrics.bind(
             lambda: engine.num_running,
             lambda: engine.num_waiting,
@@ -229,3 +237,5 @@ class Sim:
         if self.listener is not None:
             self.listener.unhang()
         await self.engine.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()

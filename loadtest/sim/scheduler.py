@@ -27,6 +27,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from .generate import Output
 from .kvcache import NO_HASH, BlockPool, block_hash
@@ -324,10 +325,25 @@ class Scheduler:
         if full <= req.registered:
             return
         hashes = self._hashes(req, full)
+        events = self.pool.events
+        run: list[int] = []  # consecutive blocks newly cached: one BlockStored, as vLLM sends
         for i in range(req.registered, full):
             if req.blocks[i] is None and self.pool.register(hashes[i]):
                 req.blocks[i] = hashes[i]
+                if events is not None:
+                    run.append(i)
+            elif run and events is not None:
+                events.append(self._stored(req, hashes, run))
+                run = []
+        if run and events is not None:
+            events.append(self._stored(req, hashes, run))
         req.registered = full
+
+    def _stored(self, req: EngineRequest, hashes: list[int], run: list[int]) -> tuple[Any, ...]:
+        bs, first = self.bs, run[0]
+        parent = hashes[first - 1] if first else None
+        tokens = req.tokens[first * bs : (run[-1] + 1) * bs]
+        return ("stored", [hashes[i] for i in run], parent, list(tokens))
 
     def _free(self, req: EngineRequest) -> None:
         self.pool.release(req.blocks)

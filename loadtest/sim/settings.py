@@ -8,6 +8,7 @@ simulator reproduces a published run of that set-up (see ``loadtest/sim/README.m
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,13 @@ class SimSettings:
     natural_len_min: int = _s(16, "shortest answer when a request sets no max tokens")
     natural_len_max: int = _s(256, "longest answer when a request sets no max tokens")
 
+    # -- KV cache events ----------------------------------------------------------------------
+    kv_events_config: str | None = _s(
+        None,
+        "like vLLM --kv-events-config: JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (kv_events.py)',
+    )
+
     # -- test observability -----------------------------------------------------------------
     request_log_size: int = _s(1000, "requests kept for GET /sim/requests (0: none)")
 
@@ -80,6 +88,10 @@ class SimSettings:
             out.append("--max-num-batched-tokens must be at least 1")
         if self.long_prefill_token_threshold < 0:
             out.append("--long-prefill-token-threshold must be >= 0")
+        try:
+            options_from_json(self.kv_events_config)
+        except ValueError as exc:
+            out.append(str(exc))
         if self.scheduling_policy not in ("fcfs", "priority"):
             out.append("--scheduling-policy must be fcfs or priority")
         if not self.enable_chunked_prefill and self.batched_tokens < self.max_model_len:
@@ -115,3 +127,41 @@ def validated(settings: SimSettings) -> SimSettings:
     if problems:
         raise SettingsError("; ".join(problems))
     return settings
+
+
+@dataclass(frozen=True)
+class KvEventsOptions:
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    encoding: str = "map"
+
+
+def options_from_json(text: str | None) -> KvEventsOptions | None:
+    """vLLM's ``--kv-events-config`` JSON; None when events are off. ``ValueError`` for junk."""
+    if not text:
+        return None
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("--kv-events-config: a JSON object is needed")
+    if not raw.get("enable_kv_cache_events", False):
+        return None
+    if raw.get("publisher", "zmq") != "zmq":
+        raise ValueError("--kv-events-config: only the zmq publisher is simulated")
+    unknown = set(raw) - {
+        "enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic",
+        "buffer_steps", "hwm", "max_queue_size", "encoding",
+    }  # fmt: skip
+    if unknown:
+        raise ValueError(f"--kv-events-config: unknown keys {sorted(unknown)}")
+    opts = KvEventsOptions(
+        endpoint=str(raw.get("endpoint", "tcp://*:5557")),
+        replay_endpoint=raw.get("replay_endpoint"),
+        topic=str(raw.get("topic", "")),
+        buffer_steps=int(raw.get("buffer_steps", 10_000)),
+        encoding=str(raw.get("encoding", "map")),
+    )
+    if opts.encoding not in ("map", "array"):
+        raise ValueError("--kv-events-config: encoding is map or array")
+    return opts

@@ -83,6 +83,7 @@ RETRY_REASONS = tuple(RetryReason)
 # Rejections recorded against a lane; `unauthorized` comes before any lane is known and is
 # recorded under NO_LANE (proxy/edge/auth.py).
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
+CACHE_AWARE_REASONS = ("longest_match", "new_prefix", "replicated")  # cache_aware.Verdict
 NO_LANE = "none"
 # The relayed APIs, as ``Call.kind`` names them (``other``: every pass-through path).
 APIS = ("chat", "completion", "messages", "responses", "realtime", "other")
@@ -108,13 +109,16 @@ def replica_address(url: str) -> str:
 
 
 def known_label_sets(
-    lanes: Iterable[LaneConfig], replicas: Iterable[tuple[str, str, str]]
+    lanes: Iterable[LaneConfig],
+    replicas: Iterable[tuple[str, str, str]],
+    cache_aware_pools: Iterable[str] = (),
 ) -> LabelSets:
     """Every label set the policy makes possible for the counters, by metric attribute.
 
     Created at 0 when the policy loads, so ``rate()`` and ``increase()`` see the first event:
     a series born at 1 has no earlier sample, and Prometheus counts its first increment as
-    nothing. ``replicas`` are (pool, name, url)."""
+    nothing. ``replicas`` are (pool, name, url); ``cache_aware_pools`` get their routing
+    series (and lose them when a reload gives the pool another balance)."""
     sets: LabelSets = {
         "requests": set(),
         "api_requests": set(),
@@ -132,7 +136,18 @@ def known_label_sets(
         "overhead": set(),
         "prompt_tokens_estimated": set(),
         "prompt_tokens_reported": set(),
+        "prefix_match": set(),
+        "cache_aware_picks": set(),
+        "prefix_index_blocks": set(),
+        "prefix_index_bytes": set(),
+        "replica_prefix_hits": set(),
+        "replica_prefix_queries": set(),
     }
+    cached = set(cache_aware_pools)
+    for pool in cached:
+        sets["prefix_match"].add((pool,))
+        sets["cache_aware_picks"].update((pool, r) for r in CACHE_AWARE_REASONS)
+        sets["prefix_index_bytes"].add((pool,))
     replicas = list(replicas)
     for lane in lanes:
         # Answers a lane can get: 200 from each replica of its pools, and the gateway's own
@@ -154,6 +169,9 @@ def known_label_sets(
         sets["ejections"].update((pool, name, r) for r in EJECTION_REASONS)
         sets["replica_ttft"].add((pool, name))
         sets["replica_info"].add((pool, name, url, replica_address(url)))
+        if pool in cached:
+            for attr in ("prefix_index_blocks", "replica_prefix_hits", "replica_prefix_queries"):
+                sets[attr].add((pool, name))
     return sets
 
 
@@ -392,6 +410,26 @@ class Metrics:
             ["pool", "replica"],
             registry=r,
         )
+        self.kv_events_up = Gauge(
+            "tokenlane_kv_events_up",
+            "1 while a replica's KV cache events are flowing and cache_aware routes it on its "
+            "real blocks; 0 while it falls back to the approximate index.",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "tokenlane_kv_event_batches",
+            "KV cache event batches applied per replica (precise cache_aware mode).",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "tokenlane_kv_event_gaps",
+            "Gaps in a replica's KV event sequence: replayed (filled from its replay socket) or "
+            "lost (its block set restarted).",
+            ["pool", "replica", "outcome"],
+            registry=r,
+        )
         self.prefix_index_bytes = Gauge(
             "tokenlane_prefix_index_bytes",
             "Approximate memory of a pool's prefix indexes.",
@@ -432,13 +470,20 @@ class Metrics:
             if lane.ttft_slo_s is not None:
                 self.lane_ttft_slo.labels(lane.name).set(lane.ttft_slo_s)
 
-    def sync(self, lanes: Iterable[LaneConfig], replicas: Iterable[Any]) -> None:
+    def sync(
+        self,
+        lanes: Iterable[LaneConfig],
+        replicas: Iterable[Any],
+        cache_aware_pools: Iterable[str] = (),
+    ) -> None:
         """Make the series match the policy just loaded: every known label set exists (at 0
         when new), the lanes' bounds are current, and label sets of lanes and replicas that
         left are removed. ``replicas`` are the fleet's (``pool``, ``name``, ``url``)."""
         lanes = list(lanes)
         self.set_lane_bounds(lanes)
-        new = known_label_sets(lanes, [(r.pool, r.name, r.url) for r in replicas])
+        new = known_label_sets(
+            lanes, [(r.pool, r.name, r.url) for r in replicas], cache_aware_pools
+        )
         add, gone = diff_label_sets(self._known, new)
         self._apply(add, gone)
         self._known = new
@@ -454,6 +499,13 @@ class Metrics:
                 child = self.series(metric, *labels)
                 if attr == "replica_info":
                     child.set(1)
+
+    def forget_kv_events(self, pool: str, replica: str) -> None:
+        """A replica's KV event series, gone with its feed."""
+        self._remove(self.kv_events_up, (pool, replica))
+        self._remove(self.kv_event_batches, (pool, replica))
+        for outcome in ("replayed", "lost"):
+            self._remove(self.kv_event_gaps, (pool, replica, outcome))
 
     def _remove(self, metric: Any, labels: tuple[str, ...]) -> None:
         self._series.pop((metric, labels), None)

@@ -76,6 +76,7 @@ class Call:
     retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
     # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
     prefix_match_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None  # precise cache_aware: as a replica renders it
     trace: Any = None  # the request's SERVER span while tracing is on (``observe.tracing``)
     # An eligible stream's continuation state (``relay.continuation.Splice``), else None.
     continuation: Any = None

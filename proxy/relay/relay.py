@@ -43,6 +43,7 @@ from proxy.errors import (
 )
 from proxy.fleet import detect
 from proxy.fleet.fleet import Fleet, Replica
+from proxy.fleet.kv_events import PromptTokens
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Attempt, Call
@@ -64,6 +65,7 @@ from proxy.relay.upstream import (
     timeout_extension,
 )
 from proxy.routing.admission import Admission
+from proxy.routing.cache_aware import PreciseFeeds
 from proxy.routing.pick import Picker
 
 if TYPE_CHECKING:
@@ -110,11 +112,14 @@ class Relay:
         tracer: Tracer | None = None,
         homes: ResponseHomes | None = None,
         share_placement: Callable[[str, str, Sequence[int]], None] | None = None,
+        feeds: PreciseFeeds | None = None,
+        prompt_tokens: PromptTokens | None = None,
     ) -> None:
         """``policy`` is a getter: a reload swaps the policy, and each request reads the one
         current when it starts. ``homes`` learns where each stored response lives;
         ``share_placement`` tells the other workers and instances where a ``cache_aware`` pick
-        sent a prompt."""
+        sent a prompt; ``feeds`` are the replicas' KV events and ``prompt_tokens`` asks a
+        replica for a prompt's token ids, for precise ``cache_aware`` routing."""
         self.homes = homes if homes is not None else ResponseHomes()
         self.admission = admission
         self.fleet = fleet
@@ -138,7 +143,8 @@ class Relay:
         self._deferred_5xx: dict[Call, Replica] = {}
         self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
-        self.picker = Picker(fleet, admission, metrics, policy, self.rng, share_placement)
+        self.picker = Picker(fleet, admission, metrics, policy, self.rng, share_placement, feeds)
+        self.prompt_tokens = prompt_tokens
         self.responder = Responder(metrics, policy, tracer, self.homes)
         # Finishing a stream on another replica when its own fails mid-answer.
         self.resumer = Resumer(
@@ -196,6 +202,8 @@ class Relay:
         policy = self.policy()
         if call.stream and call.kind != "other":
             self.resumer.mark(call, policy)
+        if self.prompt_tokens is not None:  # precise cache_aware: the prompt's token ids
+            await self.prompt_tokens.fill(call)
         queued_at = now()
         self.live.add(call)
         try:

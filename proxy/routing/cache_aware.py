@@ -36,12 +36,14 @@ pick and its first token, and the replicas' ``load`` (shared) carries the rest.
 from __future__ import annotations
 
 import random
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proxy.config import CacheAwareConfig
+from proxy.routing.kv_blocks import KvBlockSet, token_block_keys
 from proxy.routing.prefix_index import PrefixIndex, text_block_hashes
 
 if TYPE_CHECKING:
@@ -49,7 +51,33 @@ if TYPE_CHECKING:
     from proxy.observe.metrics import Metrics
     from proxy.relay.call import Call
 
-__all__ = ["CacheAwareRouter", "Row", "Verdict", "View", "decide", "learn", "router_for"]
+__all__ = [
+    "CacheAwareRouter",
+    "PreciseFeed",
+    "PreciseFeeds",
+    "Row",
+    "Verdict",
+    "View",
+    "decide",
+    "learn",
+    "router_for",
+]
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's --block-size, until a replica's events say otherwise
+
+
+class PreciseFeed(Protocol):
+    """A replica's real block set, from its KV events (``proxy.fleet.kv_events``)."""
+
+    blocks: KvBlockSet
+
+    def live(self, now: float, stale_s: float) -> bool: ...
+
+    def sent(self, now: float) -> None: ...
+
+
+class PreciseFeeds(Protocol):
+    def feed(self, replica: Replica) -> PreciseFeed | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,24 +197,45 @@ class CacheAwareRouter:
         chars_per_token: float,
         rng: random.Random,
         placed: Callable[[Replica, list[int]], None] | None = None,
+        feeds: PreciseFeeds | None = None,
     ) -> tuple[Replica, Verdict] | None:
+        """The cheapest candidate. A replica whose KV events are live (``feeds``) is matched
+        exactly on the prompt's token ids when the call has them; the others, and every replica
+        without them, on the approximate index, which every pick keeps up to date."""
         if not candidates:
             return None
         profile = call.profile
         head = profile.prompt_head if profile is not None else ""
         prompt_chars = max(profile.prompt_chars, len(head)) if profile is not None else 0
         prompt_tokens = float(profile.prompt_tokens_est) if profile is not None else 0.0
+        token_ids = getattr(call, "prompt_token_ids", None)
+        if token_ids is not None:
+            prompt_tokens = float(len(token_ids))
         block_chars = max(1, round(cfg.block_tokens * chars_per_token))
         hashes = text_block_hashes(head, block_chars)
         queued = self.queued_by_replica()
+        now = time.monotonic()
+        keys_by_size: dict[int, list[bytes]] = {}
+        precise: list[tuple[PreciseFeed, list[bytes]] | None] = []
         views = []
         indexes = []
         for r in candidates:
             ix = self.index(r, cfg)
             indexes.append(ix)
-            matched_chars = ix.match(hashes) * block_chars
-            # In the prompt's own token count, so a learned chars/token ratio carries over.
-            matched = prompt_tokens * matched_chars / prompt_chars if prompt_chars else 0.0
+            feed = feeds.feed(r) if feeds is not None else None
+            keys: list[bytes] | None = None
+            if feed is not None and token_ids is not None:
+                size = feed.blocks.block_size or DEFAULT_BLOCK_SIZE
+                keys = keys_by_size.get(size)
+                if keys is None:
+                    keys = keys_by_size[size] = token_block_keys(token_ids, size)
+            precise.append((feed, keys) if feed is not None and keys is not None else None)
+            if feed is not None and keys is not None and feed.live(now, cfg.events_stale_s):
+                matched = float(feed.blocks.match(keys, now) * size)
+            else:
+                matched_chars = ix.match(hashes) * block_chars
+                # In the prompt's own token count, so a learned chars/token ratio carries over.
+                matched = prompt_tokens * matched_chars / prompt_chars if prompt_chars else 0.0
             views.append(
                 View(
                     r.name,
@@ -201,6 +250,13 @@ class CacheAwareRouter:
         indexes[verdict.index].touch(hashes)
         if placed is not None and hashes:
             placed(chosen, hashes)
+        chosen_feed = precise[verdict.index]
+        if chosen_feed is not None:
+            feed, keys = chosen_feed
+            feed.sent(now)
+            feed.blocks.speculate(keys, now, cfg.speculative_s)
+        elif feeds is not None and (feed := feeds.feed(chosen)) is not None:
+            feed.sent(now)  # no token ids, but its events should follow all the same
         matched_tokens = verdict.rows[verdict.index].matched_tokens
         uncached = max(0.0, prompt_tokens - matched_tokens)
         self._queued[call.request_id] = (call, chosen.name, uncached)
@@ -279,6 +335,7 @@ def pick(
     call: Call,
     rng: random.Random,
     share: Callable[[str, str, Sequence[int]], None] | None = None,
+    feeds: PreciseFeeds | None = None,
 ) -> Replica | None:
     """The relay's entry point: route ``call`` within ``pool``, record the pick in metrics and
     hand the placement to ``share`` (``SharedState.share_placement``)."""
@@ -287,7 +344,7 @@ def pick(
     placed = None
     if share is not None:
         placed = lambda replica, hashes: share(pool, replica.url, hashes)  # noqa: E731
-    picked = router.pick(candidates, call, cfg, chars_per_token, rng, placed)
+    picked = router.pick(candidates, call, cfg, chars_per_token, rng, placed, feeds)
     if picked is None:
         return None
     chosen, verdict = picked

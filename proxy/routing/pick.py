@@ -32,6 +32,7 @@ class Picker:
         policy: Callable[[], Policy],
         rng: random.Random,
         share_placement: Callable[[str, str, Sequence[int]], None] | None = None,
+        feeds: cache_aware.PreciseFeeds | None = None,
     ) -> None:
         self.fleet = fleet
         self.admission = admission
@@ -39,6 +40,7 @@ class Picker:
         self.policy = policy
         self.rng = rng
         self.share_placement = share_placement  # cache_aware picks, to the other processes
+        self.feeds = feeds  # replicas' KV events: precise cache_aware routing
 
     def try_pick(self, call: Call) -> Replica | None:
         """A replica of the lane's pool, else of its ``spill_to`` pool, that can take the
@@ -93,6 +95,7 @@ class Picker:
                 call,
                 self.rng,
                 self.share_placement,
+                self.feeds,
             )
         key = None
         if cfg.balance == "prefix_affinity" and call.profile is not None:

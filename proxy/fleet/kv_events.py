@@ -1,0 +1,329 @@
+"""Precise ``cache_aware`` routing: each replica's KV cache events, subscribed to, and a prompt's
+token ids, asked of a replica. The block sets themselves are ``proxy.routing.kv_blocks``.
+
+A replica of a ``cache_aware`` pool with ``kv_events`` set (vLLM started with
+``--kv-events-config``) gets one ``KvEventFeed``: a ZMQ SUB socket on its endpoint, applying
+each batch to the replica's ``KvBlockSet`` (msgpack decoded with msgspec). Every worker of a
+serve subscribes for itself, so each holds the replica's real block set; nothing needs sharing.
+
+Sequence numbers are checked. A gap is filled from the replay socket when the replica has one
+(``kv_events_replay``: a start seq sent to its ROUTER, the kept batches streamed back up to an
+end marker); a gap that cannot be filled clears the set, since blocks stored in a lost batch
+would otherwise be missing and those removed in it kept. A feed with a replay socket also asks
+for everything kept when it starts, so a gateway that starts beside a warm replica knows its
+cache at once.
+
+When events stop (a request was sent to the replica ``events_stale_s`` ago and no batch came
+since), the replica is routed on the approximate index instead (``tokenlane_kv_events_up`` 0)
+until batches flow again; after a gap that could not be filled, for ``events_stale_s`` while the
+set refills. The approximate index is kept up to date all along, so the fallback is warm.
+
+A prompt's token ids come from a replica's render endpoint (vLLM's
+``/v1/chat/completions/render`` and ``/v1/completions/render``, which tokenize with the model's
+own chat template), asked once per request, bounded by ``render_timeout_s``; without them (a
+timeout, an error, an API without a render route) the request is routed approximately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from proxy.routing.kv_blocks import KvBlockSet, decode_batch
+
+if TYPE_CHECKING:
+    from proxy.fleet.fleet import Fleet, Replica
+    from proxy.observe.metrics import Metrics
+    from proxy.relay.call import Call
+
+log = logging.getLogger("tokenlane.kv_events")
+
+END_SEQ = -1
+REPLAY_TIMEOUT_S = 2.0
+RENDER_PATHS = {"chat": "/v1/chat/completions/render", "completion": "/v1/completions/render"}
+_decode = msgspec.msgpack.Decoder().decode
+
+
+class KvEventFeed:
+    """One replica's events: the subscription, the sequence, the block set."""
+
+    def __init__(
+        self,
+        pool: str,
+        name: str,
+        endpoint: str,
+        replay: str | None,
+        topic: str,
+        ctx: zmq.asyncio.Context,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool, self.name = pool, name
+        self.endpoint, self.replay, self.topic = endpoint, replay, topic
+        self.ctx = ctx
+        self.metrics = metrics
+        self.clock = clock
+        self.blocks = KvBlockSet()
+        self.last_seq: int | None = None
+        self.batches = 0
+        self.gaps_replayed = 0
+        self.gaps_lost = 0
+        self.lost_at: float | None = None  # when a gap could not be filled (the set restarted)
+        self.waiting_since: float | None = None  # first request sent with no batch since
+        self._task: asyncio.Task[None] | None = None
+        self._applied = asyncio.Event()  # tests: set after every batch applied
+
+    def key(self) -> tuple[str, str, str | None, str]:
+        return (self.pool, self.endpoint, self.replay, self.topic)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kv events {self.name}"
+        )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- what routing asks ---------------------------------------------------------------------
+
+    def live(self, now: float, stale_s: float) -> bool:
+        """Whether the block set can be trusted now."""
+        if self.lost_at is not None and now - self.lost_at < stale_s:
+            return False  # refilling after a lost gap: the approximate index knows more
+        return self.waiting_since is None or now - self.waiting_since < stale_s
+
+    def sent(self, now: float) -> None:
+        """A request went to the replica: its events should follow."""
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    # -- the subscription ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            sub.connect(self.endpoint)
+            if self.replay is not None:
+                await self._replay_from(0, None)  # what the replica kept before we came
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("kv events %s: a message of %d frames", self.name, len(frames))
+                    continue
+                await self._received(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def _received(self, seq: int, payload: bytes) -> None:
+        last = self.last_seq
+        if last is not None and seq <= last:
+            return  # already applied (from a replay)
+        if last is not None and seq > last + 1:
+            filled = self.replay is not None and await self._replay_from(last + 1, seq)
+            if filled:
+                self.gaps_replayed += 1
+            else:
+                self.gaps_lost += 1
+                self.blocks.clear()  # what the lost batches stored or removed is unknown
+                self.lost_at = self.clock()
+                log.warning("kv events %s: batches %d-%d lost", self.name, last + 1, seq - 1)
+            self._count_gap("replayed" if filled else "lost")
+        self._apply(seq, payload)
+
+    async def _replay_from(self, start: int, until: int | None) -> bool:
+        """Apply the replica's kept batches from ``start`` (below ``until``); True when every
+        batch from ``start`` to ``until`` came back."""
+        assert self.replay is not None
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        got: list[int] = []
+        try:
+            dealer.connect(self.replay)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    # [b"", seq, payload] (vLLM), or [b"", topic, seq, payload] (newer senders)
+                    seq = int.from_bytes(frames[-2], "big", signed=True)
+                    if seq == END_SEQ:
+                        break
+                    if (until is not None and seq >= until) or (
+                        self.last_seq is not None and seq <= self.last_seq
+                    ):
+                        continue
+                    self._apply(seq, frames[-1])
+                    got.append(seq)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("kv events %s: replay from %d failed: %r", self.name, start, exc)
+            return False
+        finally:
+            dealer.close(linger=0)
+        return until is None or got == list(range(start, until))
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        try:
+            events = decode_batch(_decode(payload))
+        except (ValueError, KeyError, TypeError, msgspec.DecodeError) as exc:
+            log.warning("kv events %s: batch %d unreadable: %s", self.name, seq, exc)
+            return
+        for event in events:
+            self.blocks.apply(event)
+        self.batches += 1
+        self.waiting_since = None
+        if self.metrics is not None:
+            self.metrics.series(self.metrics.kv_event_batches, self.pool, self.name).inc()
+        self._applied.set()
+
+    def _count_gap(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.series(self.metrics.kv_event_gaps, self.pool, self.name, outcome).inc()
+
+
+class KvEventFeeds:
+    """The fleet's feeds: one per replica with ``kv_events`` in a ``cache_aware`` pool, kept in
+    step with the policy (``sync`` at start and after each reload)."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics | None = None) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.by_replica: dict[tuple[str, str], KvEventFeed] = {}  # (pool, url) -> feed
+        self._ctx: zmq.asyncio.Context | None = None
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+        self.sync()
+
+    def sync(self) -> None:
+        """Start feeds for new replicas, stop those of replicas gone (on the loop; nothing
+        before ``start``)."""
+        if not self.started:
+            return
+        wanted: dict[tuple[str, str], Replica] = {}
+        for pool in self.fleet.pools.values():
+            if pool.config.balance != "cache_aware":
+                continue
+            for r in pool.replicas:
+                if r.config.kv_events:
+                    wanted[(r.pool, r.url)] = r
+        for key in [k for k in self.by_replica if k not in wanted]:
+            feed = self.by_replica.pop(key)
+            asyncio.get_running_loop().create_task(feed.stop())
+            if self.metrics is not None:
+                self.metrics.forget_kv_events(feed.pool, feed.name)
+        for key, r in wanted.items():
+            cfg = r.config
+            kv_events = cfg.kv_events
+            assert kv_events is not None
+            old = self.by_replica.get(key)
+            new_key = (r.pool, kv_events, cfg.kv_events_replay, cfg.kv_events_topic)
+            if old is not None and old.key() == new_key:
+                continue
+            if old is not None:
+                asyncio.get_running_loop().create_task(old.stop())
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            feed = KvEventFeed(
+                r.pool, r.name, kv_events, cfg.kv_events_replay, cfg.kv_events_topic,
+                self._ctx, self.metrics,
+            )  # fmt: skip
+            self.by_replica[key] = feed
+            if self.metrics is not None:  # born at 0: rate() sees the first batch and gap
+                m = self.metrics
+                m.series(m.kv_event_batches, r.pool, r.name)
+                for outcome in ("replayed", "lost"):
+                    m.series(m.kv_event_gaps, r.pool, r.name, outcome)
+            feed.start()
+
+    async def stop(self) -> None:
+        self.started = False
+        feeds, self.by_replica = list(self.by_replica.values()), {}
+        for feed in feeds:
+            await feed.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def feed(self, replica: Replica) -> KvEventFeed | None:
+        return self.by_replica.get((replica.pool, replica.url))
+
+    def wanted_for(self, pools: Iterable[str | None]) -> bool:
+        """Whether a request routed in these pools could use token ids."""
+        return any(p == pool for p, _ in self.by_replica for pool in pools if pool is not None)
+
+    def refresh_gauges(self, stale_s: Callable[[str], float]) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        for feed in self.by_replica.values():
+            up = 1 if feed.live(now, stale_s(feed.pool)) else 0
+            self.metrics.series(self.metrics.kv_events_up, feed.pool, feed.name).set(up)
+
+
+class PromptTokens:
+    """Fills ``Call.prompt_token_ids`` for requests a precise pool may route (the relay calls
+    ``fill`` once, before admission)."""
+
+    def __init__(self, feeds: KvEventFeeds, client: httpx.AsyncClient) -> None:
+        self.feeds = feeds
+        self.client = client
+
+    async def fill(self, call: Call) -> None:
+        lane = call.lane
+        if call.kind not in RENDER_PATHS or not self.feeds.wanted_for((lane.pool, lane.spill_to)):
+            return
+        pool = self.feeds.fleet.pools.get(lane.pool)
+        if pool is None:
+            return
+        candidates = pool.candidates(call.model)
+        if not candidates:
+            return
+        renderer = min(candidates, key=lambda r: r.load)
+        timeout_s = pool.config.cache_aware.render_timeout_s
+        call.prompt_token_ids = await render_token_ids(self.client, renderer, call, timeout_s)
+
+
+async def render_token_ids(
+    client: httpx.AsyncClient, replica: Replica, call: Call, timeout_s: float
+) -> list[int] | None:
+    """The prompt's token ids as ``replica`` tokenizes it (its render route), or None."""
+    path = RENDER_PATHS.get(call.kind)
+    if path is None:
+        return None
+    headers = {"content-type": "application/json"}
+    key = replica.api_key
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        r = await client.post(
+            replica.url + path, content=call.body, headers=headers, timeout=timeout_s
+        )
+        if r.status_code != 200:
+            return None
+        data: Any = r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    item = data[0] if isinstance(data, list) and data else data
+    ids = item.get("token_ids") if isinstance(item, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        return None
+    return ids
+
+
+__all__ = ["KvEventFeed", "KvEventFeeds", "PromptTokens", "render_token_ids"]
