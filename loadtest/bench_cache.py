@@ -13,9 +13,15 @@ the shape of inference-perf's ``shared_prefix`` (groups x prompts, system and qu
 - ``small_groups``: 64 groups x 4 prompts with 128-token system prompts and 384-token
   questions: little to gain from affinity, and it must cost nothing against least_loaded.
 
-Configurations: Tokenlane ``round_robin``, ``least_loaded``, ``prefix_affinity`` (defaults) and
-``cache_aware``; vllm-router (PyPI, installed by ``loadtest/peers.py`` into its own virtualenv)
-``cache_aware`` and ``round_robin``, or a line saying why not. The replicas run once per
+- ``saturating``: 96 groups x 3 prompts: the distinct system prompts outgrow the four replicas'
+  KV, so blocks are evicted all the time and an index blind to evictions guesses wrong.
+
+Configurations: Tokenlane ``round_robin``, ``least_loaded``, ``prefix_affinity`` (defaults),
+``cache_aware``, ``cache_aware+precise`` (routed on the replicas' KV cache events, which every
+simulated replica publishes as vLLM with ``--kv-events-config`` does; the prompt's token ids
+from a replica's render route) and ``cache_aware+2workers`` (``--workers 2``); vllm-router
+(PyPI, installed by ``loadtest/peers.py`` into its own virtualenv) ``cache_aware`` and
+``round_robin``, or a line saying why not. The replicas run once per
 workload; every run salts its prompts so that no run hits what an earlier one cached (a stale
 block is evictable, so it costs the next run nothing). Hit rate comes from the replicas' own
 ``vllm:prefix_cache_hits_total / queries_total``, deltas over the run.
@@ -70,12 +76,17 @@ WORKLOADS = {
     "shared_prefix": Workload(32, 8, 1536, 128),
     "one_group": Workload(1, 256, 1536, 128),
     "small_groups": Workload(64, 4, 128, 384),
+    # The distinct system prompts (147 K tokens) outgrow the four replicas' KV (141 K): blocks
+    # are evicted all the time, and an index that does not see evictions guesses wrong.
+    "saturating": Workload(96, 3, 1536, 128),
 }
 CONFIGS = [
     ("tokenlane", "round_robin"),
     ("tokenlane", "least_loaded"),
     ("tokenlane", "prefix_affinity"),
     ("tokenlane", "cache_aware"),
+    ("tokenlane", "cache_aware+precise"),
+    ("tokenlane", "cache_aware+2workers"),
     ("vllm-router", "cache_aware"),
     ("vllm-router", "round_robin"),
 ]
@@ -176,12 +187,24 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+# Each replica's KV cache events (PUB, replay) by its HTTP port: every replica publishes them,
+# as vLLM started with --kv-events-config does, whichever configuration runs; only the
+# precise one subscribes.
+KV_EVENTS: dict[int, tuple[str, str]] = {}
+
+
 @contextlib.contextmanager
 def replicas(tmp: Path) -> Iterator[list[int]]:
     ports = [free_port() for _ in range(REPLICAS)]
     with contextlib.ExitStack() as stack:
         for i, p in enumerate(ports):
+            events = f"tcp://127.0.0.1:{free_port()}"
+            replay = f"tcp://127.0.0.1:{free_port()}"
+            KV_EVENTS[p] = (events, replay)
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                      "replay_endpoint": replay}  # fmt: skip
             argv = [sys.executable, "-m", "loadtest.sim", "--port", str(p), "--name", f"sim{i}"]
+            argv += ["--kv-events-config", json.dumps(config)]
             stack.enter_context(process(argv + SIM_ARGS, log=tmp / f"sim{i}.log"))
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health")
@@ -193,19 +216,22 @@ def gateway(kind: str, balance: str, ports: list[int], tmp: Path) -> Iterator[st
     port = free_port()
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     if kind == "tokenlane":
+        # "cache_aware+precise": routed on the replicas' KV events; "+2workers": two workers.
+        balance, _, variant = balance.partition("+")
+        reps: list[dict[str, Any]] = [{"url": u, "max_in_flight": 256} for u in urls]
+        if variant == "precise":
+            for rc, p in zip(reps, ports, strict=True):
+                rc["kv_events"], rc["kv_events_replay"] = KV_EVENTS[p]
         policy = {
             "server": {"host": "127.0.0.1", "port": port},
-            "pools": {
-                "p": {
-                    "balance": balance,
-                    "replicas": [{"url": u, "max_in_flight": 256} for u in urls],
-                }
-            },
+            "pools": {"p": {"balance": balance, "replicas": reps}},
             "lanes": [{"name": "all", "pool": "p"}],
         }
-        path = tmp / f"policy-{balance}.yaml"
+        path = tmp / f"policy-{balance}-{variant}.yaml"
         path.write_text(yaml.safe_dump(policy))
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
+        if variant == "2workers":
+            argv += ["--workers", "2"]
         ready = f"http://127.0.0.1:{port}/ready"
     else:
         exe = peers.ensure("vllm-router")
@@ -249,6 +275,8 @@ def run_one(
     before = [scrape(p) for p in ports]
     with gateway(kind, balance, ports, tmp) as url:
         r, wall = asyncio.run(drive(url, w, requests_for(w, salt, seed), seed))
+        # Proof that a precise run saw events: batches applied, replicas on their events now.
+        kv = gateway_kv(url) if kind == "tokenlane" else {"batches": 0.0, "up": 0.0}
     after = [scrape(p) for p in ports]
     d = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     hits, queries = sum(x["hits"] for x in d), sum(x["queries"] for x in d)
@@ -267,7 +295,23 @@ def run_one(
         "per_replica": per,
         "spread": max(per) / (sum(per) / len(per)) if sum(per) else 0.0,
         "errors": r.errors,
+        "kv_event_batches": kv["batches"],
+        "kv_events_up": kv["up"],
     }
+
+
+def gateway_kv(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {"batches": 0.0, "up": 0.0}
+    for line in text.splitlines():
+        if line.startswith("tokenlane_kv_event_batches_total{"):
+            out["batches"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tokenlane_kv_events_up{"):
+            out["up"] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
