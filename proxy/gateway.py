@@ -115,6 +115,9 @@ class Gateway:
         self.max_prefix_chars = max(p.prefix_chars for p in policy.pools.values())
         self.client = make_client(policy, on_stale_resend=self.metrics.stale_resends.inc)
         self.health_client = make_client(policy)
+        # Precise cache_aware's render calls: a pool of their own, so a burst of requests never
+        # holds up a health probe.
+        self.render_client = make_client(policy)
         # Off (None) unless the OTEL_EXPORTER_OTLP_* variables name a collector.
         self.tracer = tracer_from_environ(self.environ)
         # Replicas' KV cache events (precise cache_aware routing), subscribed to from start().
@@ -129,7 +132,7 @@ class Gateway:
             homes=ResponseHomes(shared=self.shared),
             share_placement=self.shared.share_placement,
             feeds=self.feeds,
-            prompt_tokens=PromptTokens(self.feeds, self.health_client),
+            prompt_tokens=PromptTokens(self.feeds, self.render_client),
         )
         self.health = HealthMonitor(
             self.fleet,
@@ -375,6 +378,7 @@ class Gateway:
                 await self.link.stop()
             await self.client.aclose()
             await self.health_client.aclose()
+            await self.render_client.aclose()
         finally:
             self.outcomes.close()
             if self.tracer is not None:

@@ -65,6 +65,31 @@ def test_a_key_held_by_two_engine_blocks_stays_until_both_go() -> None:
     assert s.match(keys, 0.0) == 0
 
 
+def test_copies_of_one_hash_are_removed_one_by_one() -> None:
+    """Two requests computing the same block at once: one hash, two physical copies, two
+    BlockRemoved events (one per copy)."""
+    s = KvBlockSet()
+    s.apply(stored([1], None, PROMPT[:4]))
+    s.apply(stored([1], None, PROMPT[:4]))
+    keys = token_block_keys(PROMPT, BS)
+    s.apply(BlockRemoved([1]))
+    assert s.match(keys, 0.0) == 1
+    s.apply(BlockRemoved([1]))
+    assert s.match(keys, 0.0) == 0
+
+
+def test_only_the_gpu_cache_of_the_base_model_counts() -> None:
+    s = KvBlockSet()
+    s.apply(BlockStored([1], None, PROMPT[:4], BS, None, "CPU"))  # an offload tier
+    s.apply(BlockStored([2], None, PROMPT[:4], BS, 3, "GPU"))  # a LoRA adapter's block
+    assert len(s) == 0
+    s.apply(BlockStored([3], None, PROMPT[:4], BS, None, "GPU"))
+    s.apply(BlockRemoved([3], "CPU"))  # the offload tier dropped its copy: the GPU keeps it
+    assert len(s) == 1
+    with pytest.raises(ValueError):
+        s.apply(BlockStored([4], None, PROMPT[:4], 0))
+
+
 def test_speculative_blocks_count_until_they_expire() -> None:
     s = KvBlockSet()
     keys = token_block_keys(PROMPT, BS)
@@ -81,7 +106,7 @@ CASES = [
         {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
          "token_ids": PROMPT[:8], "block_size": 4, "lora_id": None, "medium": "GPU"},
         ["BlockStored", [11, 12], None, PROMPT[:8], 4, None, "GPU"],
-        BlockStored([11, 12], None, PROMPT[:8], 4),
+        BlockStored([11, 12], None, PROMPT[:8], 4, None, "GPU"),
     ),
     (
         {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": b"\x02" * 32,
@@ -92,7 +117,7 @@ CASES = [
     (
         {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
         ["BlockRemoved", [11], "GPU"],
-        BlockRemoved([11]),
+        BlockRemoved([11], "GPU"),
     ),
     ({"type": "AllBlocksCleared"}, ["AllBlocksCleared"], AllBlocksCleared()),
 ]  # fmt: skip

@@ -264,3 +264,75 @@ async def test_an_evicted_block_is_published_as_removed_and_leaves_the_gateways_
             lambda: feed.blocks.match(first_keys, REAL) < 10, what="the first prompt evicted"
         )
         assert removed_before > 0 and feed.blocks.orphans == 0
+
+
+async def test_a_restarted_replica_is_followed_from_its_new_sequence() -> None:
+    """A crashed replica comes back with an empty cache, new block hashes and its batches
+    numbered from 0 again: the feed forgets the old set and follows the new engine (it would
+    otherwise drop every new batch as already seen and keep matching evicted prefixes)."""
+    async with run_sim(kv_settings(), name="a") as a:
+        assert a.kv_events is not None
+        ctx = zmq.asyncio.Context()
+        feed = KvEventFeed(
+            "p", "a", a.kv_events.endpoint, a.kv_events.replay_address, "kv@sim", ctx
+        )
+        feed.start()
+        try:
+            old_keys = token_block_keys(await render_ids(a.url, chat(SYSTEM, "x")), 16)
+            async with httpx.AsyncClient(timeout=30) as client:
+                for q in ("x", "y", "z"):  # a few batches, so the old sequence is past 0
+                    r = await client.post(a.url + "/v1/chat/completions", json=chat(SYSTEM, q))
+                    assert r.status_code == 200
+            await wait_until(lambda: feed.last_seq == a.kv_events.seq - 1, what="all applied")
+            assert feed.last_seq and feed.blocks.match(old_keys, REAL) > 10
+            await a.set_fault({"fault": "crash"})
+            await a.set_fault(None)
+            other = " ".join(f"fresh rule {i}: nothing but the truth." for i in range(40))
+            new_keys = token_block_keys(await render_ids(a.url, chat(other, "w")), 16)
+            async with httpx.AsyncClient(timeout=30) as client:
+                r = await client.post(a.url + "/v1/chat/completions", json=chat(other, "w"))
+                assert r.status_code == 200
+            await wait_until(lambda: feed.blocks.match(new_keys, REAL) > 10, what="new blocks")
+            assert feed.restarts == 1 and feed.blocks.match(old_keys, REAL) == 0
+        finally:
+            await feed.stop()
+            ctx.term()
+
+
+async def test_a_render_that_fails_or_hangs_costs_the_request_only_its_precise_match() -> None:
+    """Refused, silent past the bound, or an error answer: no token ids, and no exception
+    that could fail the client's request (the relay then routes on the approximate index)."""
+    from types import SimpleNamespace
+
+    from proxy.config import ReplicaConfig
+    from proxy.fleet.kv_events import render_token_ids
+    from proxy.fleet.replica import Replica
+    from proxy.policyfile import build_policy
+    from proxy.relay.upstream import make_client
+
+    from .servers import free_port
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    silent_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    refused_url = f"http://127.0.0.1:{free_port()}"
+    body = chat(SYSTEM, "x")
+    call = SimpleNamespace(kind="chat", fields=body, body=json.dumps(body).encode())
+    client = make_client(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})))
+    try:
+        async with run_sim(FAST_SIM, name="a", model="another-model") as wrong_model:
+            for url in (refused_url, silent_url, wrong_model.url):
+                replica = Replica(pool="p", config=ReplicaConfig(url=url), name="r", url=url)
+                started = time.monotonic()
+                assert await render_token_ids(client, replica, call, 0.5) is None, url  # type: ignore[arg-type]
+                assert time.monotonic() - started < 30  # bounded (0.5 s, with a wide margin)
+        async with run_sim(FAST_SIM, name="b") as good:
+            replica = Replica(pool="p", config=ReplicaConfig(url=good.url), name="b", url=good.url)
+            ids = await render_token_ids(client, replica, call, 5.0)  # type: ignore[arg-type]
+            assert ids == await render_ids(good.url, body)
+    finally:
+        await client.aclose()
+        server.close()

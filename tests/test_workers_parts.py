@@ -207,3 +207,36 @@ def test_a_full_board_counts_later_names_per_worker_and_says_so(
     assert "worker board full" in caplog.text
     board.close()
     parent.close()
+
+
+async def test_hints_to_a_peer_that_stops_reading_are_dropped_not_piled_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """cache_aware placements are hints: to a worker that reads nothing (stopped, or busy for
+    seconds), they stop once its backlog passes the bound, while news that must arrive (a
+    health round, a policy) is still queued."""
+    from proxy.workers.mesh import MAX_HINT_BACKLOG, Mesh, socket_path
+
+    accepted = asyncio.Event()
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_unix_server(never_reads, path=socket_path(str(tmp_path), 1))
+    mesh = Mesh(str(tmp_path), 0, 2, lambda m: None, lambda m: None)  # type: ignore[arg-type,return-value]
+    await mesh.start()
+    try:
+        big = {"t": "placed", "h": list(range(20_000))}  # ~120 KB a message
+        mesh.tell(1, big, hint=True)
+        await asyncio.wait_for(accepted.wait(), 30)
+        for _ in range(200):  # ~24 MB offered
+            mesh.tell(1, big, hint=True)
+            await asyncio.sleep(0)
+        assert mesh.hints_dropped > 0
+        writer = mesh._peers[1]
+        held = writer.transport.get_write_buffer_size()
+        assert held <= MAX_HINT_BACKLOG + 200_000
+        mesh.tell(1, {"t": "health"})  # not a hint: queued all the same
+        assert writer.transport.get_write_buffer_size() > held
+    finally:
+        await mesh.stop()
+        server.close()

@@ -115,9 +115,13 @@ class KvEventPublisher:
         if self.replay is not None:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
-    def new_engine(self) -> None:
-        """A restarted engine core hashes with a new seed."""
+    def new_engine(self, restarted: bool = False) -> None:
+        """A new engine core hashes with a new seed; a restarted one (a crash) also numbers
+        its batches from 0 again and has kept nothing, as a restarted vLLM does."""
         self.salt = secrets.randbits(64)
+        if restarted:
+            self.seq = 0
+            self.kept.clear()
 
     def publish(self, events: Sequence[tuple[Any, ...]]) -> None:
         payload = encode_batch(

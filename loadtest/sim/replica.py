@@ -61,12 +61,12 @@ class Sim:
         self._scrape_key: tuple[Any, ...] | None = None
         self._scrape: bytes = b""
 
-    def _new_engine(self) -> None:
+    def _new_engine(self, restarted: bool = False) -> None:
         self.metrics = SimMetrics(self.settings)
         self.engine = Engine(self.settings, self.metrics)
         engine = self.engine
         if self.kv_events is not None:
-            self.kv_events.new_engine()
+            self.kv_events.new_engine(restarted)
             engine.scheduler.pool.events = []
             engine.kv_sink = self.kv_events.publish
         self.metrics.bind(
@@ -171,7 +171,7 @@ class Sim:
             if name == "crash":
                 await engine.stop()
                 engine.fail(ENGINE_DEAD_MESSAGE)
-                self._new_engine()
+                self._new_engine(restarted=True)
                 self.engine.start()
             if name == "hang_accept":
                 await self.listener.hang()

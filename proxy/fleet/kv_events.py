@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import msgspec
 import zmq
 import zmq.asyncio
 
+from proxy.relay.upstream import UpstreamClient, fetch
 from proxy.routing.kv_blocks import KvBlockSet, decode_batch
 
 if TYPE_CHECKING:
@@ -78,24 +79,35 @@ class KvEventFeed:
         self.gaps_replayed = 0
         self.gaps_lost = 0
         self.lost_at: float | None = None  # when a gap could not be filled (the set restarted)
+        self.orphans_at: float | None = None  # when stored blocks last came with unknown parents
+        self.restarts = 0  # the replica's sequence started over (a restarted engine)
+        self.replay_max: int | None = None  # last seq a replay applied, until the stream passes
+        self.stopped = False
         self.waiting_since: float | None = None  # first request sent with no batch since
         self._task: asyncio.Task[None] | None = None
         self._applied = asyncio.Event()  # tests: set after every batch applied
 
-    def key(self) -> tuple[str, str, str | None, str]:
-        return (self.pool, self.endpoint, self.replay, self.topic)
+    def key(self) -> tuple[str, str, str, str | None, str]:
+        return (self.pool, self.name, self.endpoint, self.replay, self.topic)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kv events {self.name}"
         )
 
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Stop applying at once; the task to await for the sockets to close."""
+        self.stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        return task
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task = self.cancel()
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
 
     # -- what routing asks ---------------------------------------------------------------------
 
@@ -103,6 +115,10 @@ class KvEventFeed:
         """Whether the block set can be trusted now."""
         if self.lost_at is not None and now - self.lost_at < stale_s:
             return False  # refilling after a lost gap: the approximate index knows more
+        if self.orphans_at is not None and now - self.orphans_at < stale_s:
+            # Blocks extend prefixes stored before this feed saw them (joined late, a lost
+            # batch): the set lacks those prefixes, which may be the hottest ones.
+            return False
         return self.waiting_since is None or now - self.waiting_since < stale_s
 
     def sent(self, now: float) -> None:
@@ -113,6 +129,22 @@ class KvEventFeed:
     # -- the subscription ----------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """The subscription, restarted after any failure (a bug or a broken socket must not
+        leave the replica without events for good)."""
+        backoff = 0.1
+        while not self.stopped:
+            try:
+                await self._subscribe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception(
+                    "kv events %s: subscription failed; again in %.1fs", self.name, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _subscribe(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
@@ -131,8 +163,21 @@ class KvEventFeed:
 
     async def _received(self, seq: int, payload: bytes) -> None:
         last = self.last_seq
+        if self.replay_max is not None and seq > self.replay_max:
+            self.replay_max = None  # past what the replay gave: no duplicate can follow
         if last is not None and seq <= last:
-            return  # already applied (from a replay)
+            if self.replay_max is not None:
+                return  # the stream catching up with batches the replay already applied
+            # The sequence started over: a restarted engine, whose cache is empty and whose
+            # block hashes are new. Forget the old set and take what it kept from the start.
+            self.restarts += 1
+            self.blocks.clear()
+            self.last_seq = last = None
+            log.info("kv events %s: the replica's sequence restarted", self.name)
+            if self.replay is not None:
+                await self._replay_from(0, None)
+                if self.last_seq is not None:
+                    return
         if last is not None and seq > last + 1:
             filled = self.replay is not None and await self._replay_from(last + 1, seq)
             if filled:
@@ -159,6 +204,11 @@ class KvEventFeed:
                 while True:
                     frames = await dealer.recv_multipart()
                     # [b"", seq, payload] (vLLM), or [b"", topic, seq, payload] (newer senders)
+                    if len(frames) < 3:
+                        log.warning(
+                            "kv events %s: a replay reply of %d frames", self.name, len(frames)
+                        )
+                        return False
                     seq = int.from_bytes(frames[-2], "big", signed=True)
                     if seq == END_SEQ:
                         break
@@ -168,6 +218,7 @@ class KvEventFeed:
                         continue
                     self._apply(seq, frames[-1])
                     got.append(seq)
+                    self.replay_max = seq
         except (TimeoutError, zmq.ZMQError) as exc:
             log.warning("kv events %s: replay from %d failed: %r", self.name, start, exc)
             return False
@@ -176,14 +227,22 @@ class KvEventFeed:
         return until is None or got == list(range(start, until))
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        if self.stopped:
+            return
         self.last_seq = seq
         try:
             events = decode_batch(_decode(payload))
         except (ValueError, KeyError, TypeError, msgspec.DecodeError) as exc:
             log.warning("kv events %s: batch %d unreadable: %s", self.name, seq, exc)
             return
+        orphans = self.blocks.orphans
         for event in events:
-            self.blocks.apply(event)
+            try:
+                self.blocks.apply(event)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("kv events %s: an event of batch %d ignored: %s", self.name, seq, exc)
+        if self.blocks.orphans > orphans:
+            self.orphans_at = self.clock()
         self.batches += 1
         self.waiting_since = None
         if self.metrics is not None:
@@ -205,6 +264,7 @@ class KvEventFeeds:
         self.by_replica: dict[tuple[str, str], KvEventFeed] = {}  # (pool, url) -> feed
         self._ctx: zmq.asyncio.Context | None = None
         self.started = False
+        self._stopping: set[asyncio.Task[None]] = set()  # feeds cancelled by a reload
 
     def start(self) -> None:
         self.started = True
@@ -224,7 +284,7 @@ class KvEventFeeds:
                     wanted[(r.pool, r.url)] = r
         for key in [k for k in self.by_replica if k not in wanted]:
             feed = self.by_replica.pop(key)
-            asyncio.get_running_loop().create_task(feed.stop())
+            self._retire(feed)
             if self.metrics is not None:
                 self.metrics.forget_kv_events(feed.pool, feed.name)
         for key, r in wanted.items():
@@ -232,11 +292,13 @@ class KvEventFeeds:
             kv_events = cfg.kv_events
             assert kv_events is not None
             old = self.by_replica.get(key)
-            new_key = (r.pool, kv_events, cfg.kv_events_replay, cfg.kv_events_topic)
+            new_key = (r.pool, r.name, kv_events, cfg.kv_events_replay, cfg.kv_events_topic)
             if old is not None and old.key() == new_key:
                 continue
             if old is not None:
-                asyncio.get_running_loop().create_task(old.stop())
+                self._retire(old)
+                if self.metrics is not None and old.name != r.name:
+                    self.metrics.forget_kv_events(old.pool, old.name)
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
             feed = KvEventFeed(
@@ -251,11 +313,20 @@ class KvEventFeeds:
                     m.series(m.kv_event_gaps, r.pool, r.name, outcome)
             feed.start()
 
+    def _retire(self, feed: KvEventFeed) -> None:
+        task = feed.cancel()
+        if task is not None:
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
     async def stop(self) -> None:
         self.started = False
         feeds, self.by_replica = list(self.by_replica.values()), {}
         for feed in feeds:
-            await feed.stop()
+            self._retire(feed)
+        # Every socket closed before the context ends (``term`` waits for them, blocking).
+        if self._stopping:
+            await asyncio.wait(list(self._stopping))
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -280,7 +351,7 @@ class PromptTokens:
     """Fills ``Call.prompt_token_ids`` for requests a precise pool may route (the relay calls
     ``fill`` once, before admission)."""
 
-    def __init__(self, feeds: KvEventFeeds, client: httpx.AsyncClient) -> None:
+    def __init__(self, feeds: KvEventFeeds, client: UpstreamClient) -> None:
         self.feeds = feeds
         self.client = client
 
@@ -300,24 +371,28 @@ class PromptTokens:
 
 
 async def render_token_ids(
-    client: httpx.AsyncClient, replica: Replica, call: Call, timeout_s: float
+    client: UpstreamClient, replica: Replica, call: Call, timeout_s: float
 ) -> list[int] | None:
-    """The prompt's token ids as ``replica`` tokenizes it (its render route), or None."""
+    """The prompt's token ids as ``replica`` tokenizes it (its render route), or None: a
+    render that fails in any way, or takes longer than ``timeout_s`` in all, only costs the
+    request its precise match, never its answer (cancellation, a client leaving, still ends
+    it)."""
     path = RENDER_PATHS.get(call.kind)
     if path is None:
         return None
-    headers = {"content-type": "application/json"}
-    key = replica.api_key
-    if key:
-        headers["authorization"] = f"Bearer {key}"
+    headers = {"authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
     try:
-        r = await client.post(
-            replica.url + path, content=call.body, headers=headers, timeout=timeout_s
-        )
+        body = call.fields if call.fields is not None else json.loads(call.body)
+        async with asyncio.timeout(timeout_s):
+            r = await fetch(
+                client, "POST", replica.url + path, headers=headers, timeout_s=timeout_s,
+                json=body,
+            )  # fmt: skip
         if r.status_code != 200:
             return None
         data: Any = r.json()
-    except (httpx.HTTPError, ValueError):
+    except Exception as exc:  # not BaseException: cancellation goes on up
+        log.debug("render on %s failed: %r", replica.name, exc)
         return None
     item = data[0] if isinstance(data, list) and data else data
     ids = item.get("token_ids") if isinstance(item, dict) else None

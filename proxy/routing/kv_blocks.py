@@ -64,11 +64,14 @@ class BlockStored:
     parent_block_hash: EngineHash | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: list[EngineHash]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +83,15 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 # Positional fields of each event after its tag, in vLLM's declaration order (the ones read).
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-    "BlockRemoved": ("block_hashes",),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
 
@@ -102,9 +112,11 @@ def _event(raw: Any) -> Event | None:
             fields.get("parent_block_hash"),
             list(fields["token_ids"]),
             int(fields["block_size"]),
+            fields.get("lora_id"),
+            fields.get("medium"),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(list(fields["block_hashes"]))
+        return BlockRemoved(list(fields["block_hashes"]), fields.get("medium"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
@@ -118,13 +130,23 @@ def decode_batch(batch: Any) -> list[Event]:
     return [e for e in (_event(raw) for raw in batch[1]) if e is not None]
 
 
-class KvBlockSet:
-    """One replica's cached blocks as its events describe them."""
+GPU_MEDIA = (None, "GPU")  # what the engine's own prefix cache holds (not an offload tier)
 
-    __slots__ = ("_by_engine", "_keys", "block_size", "orphans", "speculative")
+
+class KvBlockSet:
+    """One replica's cached blocks as its events describe them.
+
+    Only the GPU prefix cache counts (a connector's CPU or disk tier reports its own medium),
+    and only base-model blocks (a LoRA adapter's blocks never serve a base-model prompt, and a
+    request's adapter is not part of its key here). vLLM may hold several physical copies of one
+    block hash (computed at the same time by two requests) and removes each copy with its own
+    event, so copies are counted per hash."""
+
+    __slots__ = ("_by_engine", "_copies", "_keys", "block_size", "orphans", "speculative")
 
     def __init__(self) -> None:
         self._by_engine: dict[EngineHash, bytes] = {}
+        self._copies: dict[EngineHash, int] = {}  # only hashes held more than once
         self._keys: dict[bytes, int] = {}  # key -> engine hashes holding it (duplicates: >1)
         self.block_size = 0  # learnt from the first BlockStored
         self.orphans = 0  # stored blocks whose parent was never seen (missed events)
@@ -139,7 +161,16 @@ class KvBlockSet:
         if isinstance(event, BlockStored):
             self._stored(event)
         elif isinstance(event, BlockRemoved):
+            if event.medium not in GPU_MEDIA:
+                return
             for h in event.block_hashes:
+                copies = self._copies.get(h)
+                if copies is not None:  # one copy of several goes; the hash stays held
+                    if copies > 2:
+                        self._copies[h] = copies - 1
+                    else:
+                        del self._copies[h]
+                    continue
                 key = self._by_engine.pop(h, None)
                 if key is not None:
                     left = self._keys[key] - 1
@@ -151,7 +182,11 @@ class KvBlockSet:
             self.clear()
 
     def _stored(self, event: BlockStored) -> None:
+        if event.medium not in GPU_MEDIA or event.lora_id is not None:
+            return
         bs = event.block_size
+        if bs < 1:
+            raise ValueError(f"block_size {bs}")
         self.block_size = bs
         parent = _ROOT
         if event.parent_block_hash is not None:
@@ -163,12 +198,14 @@ class KvBlockSet:
         keys = token_block_keys(event.token_ids, bs, parent, len(event.block_hashes))
         for h, key in zip(event.block_hashes, keys, strict=False):
             if h in self._by_engine:
+                self._copies[h] = self._copies.get(h, 1) + 1
                 continue
             self._by_engine[h] = key
             self._keys[key] = self._keys.get(key, 0) + 1
 
     def clear(self) -> None:
         self._by_engine.clear()
+        self._copies.clear()
         self._keys.clear()
         self.speculative.clear()
 

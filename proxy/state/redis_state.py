@@ -85,6 +85,7 @@ T = TypeVar("T")
 RECONCILE_S = 1.0  # full read of the replica records and of the others' load
 MAX_PENDING_HOMES = 10_000  # stored responses' homes waiting to be written
 MAX_PENDING_PLACEMENTS = 1_000  # cache_aware placements waiting to be published
+PLACEMENTS_PER_MESSAGE = 100  # a message stays small (a hint must not slow Redis down)
 SUBSCRIBE_POLL_S = 1.0  # a pub/sub read waits this long for a message, then loops
 
 
@@ -336,7 +337,6 @@ class RedisState:
     # -- replica records -------------------------------------------------------------------
 
     async def _flush(self) -> None:
-        await self._flush_placements()
         await self._flush_homes()
         for key, record in list(self._pending.items()):
 
@@ -370,10 +370,14 @@ class RedisState:
     async def _flush_placements(self) -> None:
         """Everything placed since the last flush, in one message."""
         placed, self._placements = self._placements, []
-        if not placed:
-            return
-        data = json.dumps({"i": self.instance, "p": placed}, separators=(",", ":"))
-        await self._call(lambda: self._redis.publish(self._placed_channel, data), "placements")
+        for i in range(0, len(placed), PLACEMENTS_PER_MESSAGE):
+            part = placed[i : i + PLACEMENTS_PER_MESSAGE]
+            data = json.dumps({"i": self.instance, "p": part}, separators=(",", ":"))
+
+            async def publish(data: str = data) -> Any:
+                return await self._redis.publish(self._placed_channel, data)
+
+            await self._call(publish, "placements")
 
     def _on_placed(self, data: str) -> None:
         try:
@@ -545,6 +549,9 @@ class RedisState:
                     pass
                 except Exception:
                     log.exception("shared state: writing a record failed")
+                # Last, and on their own: a hint never holds up a record or a home.
+                with contextlib.suppress(Unavailable):
+                    await self._flush_placements()
 
     async def _subscribe_loop(self) -> None:
         """Apply published records as they come. Only a shortcut: a message lost while

@@ -207,7 +207,8 @@ class MeshState:
         return None  # every worker was told
 
     def share_placement(self, pool: str, url: str, hashes: Sequence[int]) -> None:
-        self.link.mesh.tell_all({"t": "placed", "pool": pool, "url": url, "h": list(hashes)})
+        message = {"t": "placed", "pool": pool, "url": url, "h": list(hashes)}
+        self.link.mesh.tell_all(message, hint=True)
 
 
 def health_item(replica: Replica) -> dict[str, Any]:

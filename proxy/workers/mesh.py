@@ -25,6 +25,7 @@ from typing import Any
 log = logging.getLogger("tokenlane.workers")
 
 LENGTH = struct.Struct(">I")
+MAX_HINT_BACKLOG = 4 * 1024 * 1024  # bytes a slow peer may owe before hints to it are dropped
 MAX_FRAME = 64 * 1024 * 1024  # a merged metrics answer of a very large fleet stays below
 Message = dict[str, Any]
 OnNews = Callable[[Message], None]
@@ -78,6 +79,7 @@ class Mesh:
         self._peers: dict[int, asyncio.StreamWriter] = {}
         self._connecting: dict[int, asyncio.Task[None]] = {}
         self._pending: dict[int, list[bytes]] = {}
+        self.hints_dropped = 0
         self._handlers: set[asyncio.Task[None]] = set()
 
     @property
@@ -101,12 +103,17 @@ class Mesh:
 
     # -- news ------------------------------------------------------------------------------
 
-    def tell(self, peer: int, message: Message) -> None:
-        """Send ``message`` to ``peer`` in the background (dropped if the peer is down)."""
+    def tell(self, peer: int, message: Message, *, hint: bool = False) -> None:
+        """Send ``message`` to ``peer`` in the background (dropped if the peer is down). A
+        ``hint`` is also dropped while the peer reads too slowly to keep up (its unsent bytes
+        past ``MAX_HINT_BACKLOG``): news that only improves a choice never piles up in memory."""
         data = frame(message)
         writer = self._peers.get(peer)
         if writer is not None:
             if not writer.is_closing():
+                if hint and writer.transport.get_write_buffer_size() > MAX_HINT_BACKLOG:
+                    self.hints_dropped += 1
+                    return
                 writer.write(data)
                 return
             del self._peers[peer]
@@ -117,9 +124,9 @@ class Mesh:
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
-    def tell_all(self, message: Message) -> None:
+    def tell_all(self, message: Message, *, hint: bool = False) -> None:
         for peer in self.peers:
-            self.tell(peer, message)
+            self.tell(peer, message, hint=hint)
 
     async def _connect(self, peer: int) -> None:
         try:
