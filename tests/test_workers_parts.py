@@ -240,3 +240,27 @@ async def test_hints_to_a_peer_that_stops_reading_are_dropped_not_piled_up(tmp_p
     finally:
         await mesh.stop()
         server.close()
+
+
+async def test_reprefill_bounds_hold_for_the_serve_across_workers(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    """Continuations re-prefilling at once: the gateway-wide and per-replica bounds count every
+    worker's, and a slot freed in one worker is found by the other's waiter."""
+    from proxy.relay.reprefill import Reprefills
+
+    _, w0, w1 = boards
+    kicks: list[int] = []
+    r0 = Reprefills(BoardLedger(w0, kicks.append))
+    r1 = Reprefills(BoardLedger(w1, kicks.append))
+    a = r0.try_take("a", 2, 1)
+    assert a is not None
+    assert r1.try_take("a", 2, 1) is None  # replica a's one slot is worker 0's
+    b = r1.try_take("b", 2, 1)
+    assert b is not None
+    assert r0.try_take("c", 2, 1) is None  # the serve's two slots are taken
+    a.release()
+    await r1.freed(30)  # with a ledger, a bounded wait (a freed slot elsewhere wakes nobody)
+    assert r1.try_take("a", 2, 1) is not None
+    a.release()  # released once only
+    assert r0.try_take("c", 2, 1) is None and r0.total == 0

@@ -78,7 +78,8 @@ class Resumer:
         self.send_start = send_start
         self.end_with_error = end_with_error
         self.tracer = tracer  # None: tracing off; else each continuation is a CLIENT span
-        self.reprefills = Reprefills()  # continuations between their start and first token
+        # Continuations between their start and first token; with workers, counted serve-wide.
+        self.reprefills = Reprefills(admission.ledger)
 
     def mark(self, call: Call, policy: Policy) -> None:
         """Give an eligible stream its ``Splice`` and ask its replica for token ids. Reads the
