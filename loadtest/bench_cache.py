@@ -154,6 +154,41 @@ async def one(
         r.ttft.append(first)
 
 
+async def render_cost(port: int, w: Workload, n: int = 200) -> dict[str, float]:
+    """What precise mode adds to a request: one render call to a replica (its token ids), here
+    through the gateway's own client code, sequential on an idle replica: latency p50/p99."""
+    from types import SimpleNamespace
+
+    from proxy.config import ReplicaConfig
+    from proxy.fleet.kv_events import render_token_ids
+    from proxy.fleet.replica import Replica
+    from proxy.policyfile import build_policy
+    from proxy.relay.upstream import make_client
+
+    url = f"http://127.0.0.1:{port}"
+    policy = build_policy({"pools": {"p": {"replicas": [{"url": url}]}},
+                           "lanes": [{"name": "all", "pool": "p"}]})  # fmt: skip
+    client = make_client(policy)
+    replica = Replica(pool="p", config=ReplicaConfig(url=url), name="r", url=url)
+    times = []
+    try:
+        for messages in requests_for(w, "render", 7)[:n]:
+            body = {"model": MODEL, "messages": messages, "max_tokens": w.output_tokens}
+            call = SimpleNamespace(kind="chat", fields=body, body=b"")
+            t0 = time.perf_counter()
+            ids = await render_token_ids(client, replica, call, 5.0)  # type: ignore[arg-type]
+            times.append(time.perf_counter() - t0)
+            assert ids, "the replica rendered nothing"
+    finally:
+        await client.aclose()
+    times.sort()
+    return {
+        "render_p50_ms": times[len(times) // 2] * 1000,
+        "render_p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1000,
+        "prompt_tokens": float(w.system_tokens + w.question_tokens),
+    }
+
+
 async def drive(url: str, w: Workload, reqs: list[list[dict[str, str]]], seed: int) -> tuple:
     rng = random.Random(seed)
     r = Result()
@@ -565,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             results[wl] = {}
             with replicas(tmp) as ports:
+                if wl == "shared_prefix":
+                    cost = asyncio.run(render_cost(ports[0], w))
+                    print(f"render cost (precise mode), one replica idle: {json.dumps(cost)}")
                 runs: dict[str, list[dict[str, Any]]] = {}
                 for rep in range(reps):
                     for kind, balance in configs:
