@@ -88,6 +88,26 @@ def attrs(span: Any) -> dict[str, Any]:
     return out
 
 
+def tree(spans: list[Any], client_span: str) -> str:
+    """The trace as an indented tree from the client's span (``pytest -s`` prints it)."""
+    keep = ("tokenlane.", "gen_ai.response.finish_reasons", "gen_ai.usage.", "error.type")
+    kids: dict[str, list[Any]] = {}
+    for s in sorted(spans, key=lambda s: s.start_time_unix_nano):
+        kids.setdefault(s.parent_span_id.hex(), []).append(s)
+    lines = [f"client span {client_span} (trace {CLIENT_TRACE})"]
+
+    def walk(parent: str, depth: int) -> None:
+        for s in kids.get(parent, []):
+            kind = {SERVER: "SERVER", CLIENT: "CLIENT"}.get(s.kind, str(s.kind))
+            shown = {k: v for k, v in attrs(s).items() if k.startswith(keep)}
+            events = [e.name for e in s.events]
+            lines.append(f"{'  ' * depth}└ {kind} {s.name} {shown} events={events}")
+            walk(s.span_id.hex(), depth + 1)
+
+    walk(client_span, 1)
+    return "\n".join(lines)
+
+
 def traceparent(trace_id: str, span_id: str) -> str:
     return f"00-{trace_id}-{span_id}-01"
 
@@ -134,6 +154,7 @@ async def test_a_retried_request_is_one_trace_from_client_to_each_replica() -> N
         by_parent.setdefault(c.parent_span_id, []).append(c)
     [retried] = [s for s in servers if len(by_parent.get(s.span_id, [])) == 2]
     [plain] = [s for s in servers if s is not retried]
+    print("\n" + tree(spans, retried.parent_span_id.hex()))
     # The client's traceparent is the SERVER span's parent.
     for s in servers:
         assert s.trace_id.hex() == CLIENT_TRACE
@@ -206,6 +227,7 @@ async def test_a_continued_stream_is_one_trace_with_a_span_per_replica() -> None
             received = [q["headers"].get("traceparent") for q in b.requests()
                         if q["path"] == "/v1/completions"]  # fmt: skip
     [server] = [s for s in spans if s.kind == SERVER]
+    print("\n" + tree(spans, "0000000000000009"))
     first, second = sorted(
         (s for s in spans if s.kind == CLIENT), key=lambda s: s.start_time_unix_nano
     )

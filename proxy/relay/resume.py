@@ -302,6 +302,7 @@ class Resumer:
             if failed is None:
                 self.metrics.continuations.labels(lane, trigger.value, "ok").inc()
                 call.replica = target
+                call.pool = target.pool
                 call.usage = sp.usage()
                 return
             self.metrics.continuations.labels(lane, trigger.value, "failed").inc()
