@@ -204,22 +204,30 @@ async def drive(url: str, w: Workload, reqs: list[list[dict[str, str]]], seed: i
     return r, wall
 
 
-def scrape(port: int) -> dict[str, float]:
+def metric_sums(url: str, want: dict[str, str]) -> dict[str, float]:
+    """key -> the sum of every sample of metric ``want[key]`` in ``url``'s /metrics."""
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    want = {
-        "hits": "vllm:prefix_cache_hits_total",
-        "queries": "vllm:prefix_cache_queries_total",
-        "requests": "vllm:request_success_total",
-    }
     out = dict.fromkeys(want, 0.0)
     for line in text.splitlines():
         for key, name in want.items():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A replica's prefix-cache counters and finished requests."""
+    return metric_sums(
+        f"http://127.0.0.1:{port}",
+        {
+            "hits": "vllm:prefix_cache_hits_total",
+            "queries": "vllm:prefix_cache_queries_total",
+            "requests": "vllm:request_success_total",
+        },
+    )
 
 
 # Each replica's KV cache events (PUB, replay) by its HTTP port: every replica publishes them,
@@ -336,17 +344,10 @@ def run_one(
 
 
 def gateway_kv(url: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out = {"batches": 0.0, "up": 0.0}
-    for line in text.splitlines():
-        if line.startswith("tokenlane_kv_event_batches_total{"):
-            out["batches"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("tokenlane_kv_events_up{"):
-            out["up"] += float(line.rsplit(" ", 1)[1])
-    return out
+    """A gateway's KV event batches applied, and how many replicas are on their events now."""
+    return metric_sums(
+        url, {"batches": "tokenlane_kv_event_batches_total", "up": "tokenlane_kv_events_up"}
+    )
 
 
 def mean_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -425,6 +426,7 @@ class _VCall:
     ttft_s: float | None = None
     finished: bool = False
     prefix_match_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:

@@ -262,26 +262,9 @@ class Gateway:
         for replica in self.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)
             m.set_replica_state(replica.pool, replica.name, replica.state.value)
-        # cache_aware pools: indexes also grow by what other workers and instances placed, and
-        # the replicas' hit counters move after the last pick; both are read at the scrape.
-        self.feeds.refresh_gauges(lambda pool: self.policy.pools[pool].cache_aware.events_stale_s)
-        routers = cache_aware.routers(self.fleet)
-        for name, pool in self.fleet.pools.items():
-            if pool.config.balance != "cache_aware":
-                continue
-            router = routers.get(name)
-            indexes = router.indexes if router is not None else {}
-            for replica in pool.replicas:
-                sample = replica.stats.sample
-                m.series(m.replica_prefix_hits, name, replica.name).set(
-                    sample.prefix_cache_hits_total
-                )
-                m.series(m.replica_prefix_queries, name, replica.name).set(
-                    sample.prefix_cache_queries_total
-                )
-                ix = indexes.get(replica.name)
-                m.series(m.prefix_index_blocks, name, replica.name).set(len(ix) if ix else 0)
-            m.series(m.prefix_index_bytes, name).set(sum(i.nbytes for i in indexes.values()))
+        # cache_aware pools: what moves between picks, read now.
+        cache_aware.export_gauges(self.fleet, m)
+        self.feeds.refresh_gauges()
 
     def local_families(self) -> list[Family]:
         """This process's metrics, as data (one worker's share of a merged scrape)."""

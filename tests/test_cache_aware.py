@@ -170,6 +170,7 @@ class FakeCall:
     ttft_s: float | None = None
     finished: bool = False
     prefix_match_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def replica(name: str) -> Replica:

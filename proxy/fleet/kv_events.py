@@ -264,6 +264,7 @@ class KvEventFeeds:
         self.by_replica: dict[tuple[str, str], KvEventFeed] = {}  # (pool, url) -> feed
         self._ctx: zmq.asyncio.Context | None = None
         self.started = False
+        self.pools: set[str] = set()  # pools with a feed (the request path asks, per request)
         self._stopping: set[asyncio.Task[None]] = set()  # feeds cancelled by a reload
 
     def start(self) -> None:
@@ -312,6 +313,7 @@ class KvEventFeeds:
                 for outcome in ("replayed", "lost"):
                     m.series(m.kv_event_gaps, r.pool, r.name, outcome)
             feed.start()
+        self.pools = {pool for pool, _ in self.by_replica}
 
     def _retire(self, feed: KvEventFeed) -> None:
         task = feed.cancel()
@@ -321,6 +323,7 @@ class KvEventFeeds:
 
     async def stop(self) -> None:
         self.started = False
+        self.pools = set()
         feeds, self.by_replica = list(self.by_replica.values()), {}
         for feed in feeds:
             self._retire(feed)
@@ -336,29 +339,36 @@ class KvEventFeeds:
 
     def wanted_for(self, pools: Iterable[str | None]) -> bool:
         """Whether a request routed in these pools could use token ids."""
-        return any(p == pool for p, _ in self.by_replica for pool in pools if pool is not None)
+        return bool(self.pools) and any(p in self.pools for p in pools)
 
-    def refresh_gauges(self, stale_s: Callable[[str], float]) -> None:
+    def refresh_gauges(self) -> None:
         if self.metrics is None:
             return
         now = time.monotonic()
+        pools = self.fleet.pools
         for feed in self.by_replica.values():
-            up = 1 if feed.live(now, stale_s(feed.pool)) else 0
-            self.metrics.series(self.metrics.kv_events_up, feed.pool, feed.name).set(up)
+            pool = pools.get(feed.pool)
+            if pool is None:  # a reload in progress: synced at its end
+                continue
+            up = feed.live(now, pool.config.cache_aware.events_stale_s)
+            self.metrics.series(self.metrics.kv_events_up, feed.pool, feed.name).set(int(up))
 
 
 class PromptTokens:
-    """Fills ``Call.prompt_token_ids`` for requests a precise pool may route (the relay calls
-    ``fill`` once, before admission)."""
+    """Fills ``Call.prompt_token_ids`` for requests a precise pool may route (the relay asks
+    ``wanted``, on every request and without awaiting, then calls ``fill`` once before
+    admission)."""
 
     def __init__(self, feeds: KvEventFeeds, client: UpstreamClient) -> None:
         self.feeds = feeds
         self.client = client
 
+    def wanted(self, call: Call) -> bool:
+        lane = call.lane
+        return call.kind in RENDER_PATHS and self.feeds.wanted_for((lane.pool, lane.spill_to))
+
     async def fill(self, call: Call) -> None:
         lane = call.lane
-        if call.kind not in RENDER_PATHS or not self.feeds.wanted_for((lane.pool, lane.spill_to)):
-            return
         pool = self.feeds.fleet.pools.get(lane.pool)
         if pool is None:
             return

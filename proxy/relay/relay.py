@@ -202,8 +202,9 @@ class Relay:
         policy = self.policy()
         if call.stream and call.kind != "other":
             self.resumer.mark(call, policy)
-        if self.prompt_tokens is not None:  # precise cache_aware: the prompt's token ids
-            await self.prompt_tokens.fill(call)
+        tokens = self.prompt_tokens
+        if tokens is not None and tokens.wanted(call):  # precise cache_aware: token ids
+            await tokens.fill(call)
         queued_at = now()
         self.live.add(call)
         try:

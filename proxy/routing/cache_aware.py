@@ -208,7 +208,7 @@ class CacheAwareRouter:
         head = profile.prompt_head if profile is not None else ""
         prompt_chars = max(profile.prompt_chars, len(head)) if profile is not None else 0
         prompt_tokens = float(profile.prompt_tokens_est) if profile is not None else 0.0
-        token_ids = getattr(call, "prompt_token_ids", None)
+        token_ids = call.prompt_token_ids
         if token_ids is not None:
             prompt_tokens = float(len(token_ids))
         block_chars = max(1, round(cfg.block_tokens * chars_per_token))
@@ -349,15 +349,32 @@ def pick(
         return None
     chosen, verdict = picked
     m = metrics
+    # The gauges (index sizes, the replicas' hit counters) are read at each scrape instead
+    # (``export_gauges``): they also move between picks.
     m.series(m.prefix_match, pool).observe(verdict.rows[verdict.index].matched_tokens)
     m.series(m.cache_aware_picks, pool, verdict.reason).inc()
-    ix = router.indexes[chosen.name]
-    m.series(m.prefix_index_blocks, pool, chosen.name).set(len(ix))
-    m.series(m.prefix_index_bytes, pool).set(sum(i.nbytes for i in router.indexes.values()))
-    sample = chosen.stats.sample
-    m.series(m.replica_prefix_hits, pool, chosen.name).set(sample.prefix_cache_hits_total)
-    m.series(m.replica_prefix_queries, pool, chosen.name).set(sample.prefix_cache_queries_total)
     return chosen
+
+
+def export_gauges(fleet: Fleet, metrics: Metrics) -> None:
+    """Every ``cache_aware`` pool's gauges, as of now (called at each scrape): index blocks
+    and bytes, which also grow by placements made in other workers and instances, and the
+    replicas' own prefix-cache counters, which move after the last pick."""
+    m = metrics
+    for name, pool in fleet.pools.items():
+        if pool.config.balance != "cache_aware":
+            continue
+        router = routers(fleet).get(name)
+        indexes = router.indexes if router is not None else {}
+        for replica in pool.replicas:
+            sample = replica.stats.sample
+            m.series(m.replica_prefix_hits, name, replica.name).set(sample.prefix_cache_hits_total)
+            m.series(m.replica_prefix_queries, name, replica.name).set(
+                sample.prefix_cache_queries_total
+            )
+            ix = indexes.get(replica.name)
+            m.series(m.prefix_index_blocks, name, replica.name).set(len(ix) if ix else 0)
+        m.series(m.prefix_index_bytes, name).set(sum(i.nbytes for i in indexes.values()))
 
 
 # ---------------------------------------------------------------------------- explain
@@ -372,6 +389,7 @@ class _Probe:
     ttft_s: float | None = None
     finished: bool = False
     prefix_match_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def explain(
