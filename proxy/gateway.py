@@ -34,6 +34,7 @@ from proxy.observe.outcomes import Outcomes
 from proxy.observe.record import Recorder
 from proxy.observe.tracing import from_environ as tracer_from_environ
 from proxy.policyfile import policy_from_text, read_policy_text
+from proxy.relay import continuation
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.relay import Relay, make_client
 from proxy.routing import cache_aware
@@ -52,6 +53,14 @@ POLICY_POLL_S = 1.0
 
 def _cache_aware_pools(policy: Policy) -> list[str]:
     return [name for name, pool in policy.pools.items() if pool.balance == "cache_aware"]
+
+
+def _continuing_lanes(policy: Policy) -> list[str]:
+    return [
+        lane.name
+        for lane in policy.lanes
+        if continuation.continues(policy.continuation, lane.continuation)
+    ]
 
 
 def _file_hash(path: str) -> bytes | None:
@@ -146,7 +155,12 @@ class Gateway:
         self.shutting_down = False
         for replica in self.fleet.replicas():
             self.metrics.set_replica_state(replica.pool, replica.name, replica.state.value)
-        self.metrics.sync(policy.lanes, self.fleet.replicas(), _cache_aware_pools(policy))
+        self.metrics.sync(
+            policy.lanes,
+            self.fleet.replicas(),
+            _cache_aware_pools(policy),
+            _continuing_lanes(policy),
+        )
         for pool in policy.pools:
             self.metrics.panic.labels(pool).set(0)
 
@@ -297,7 +311,12 @@ class Gateway:
         self.admission.set_lanes(declared.lanes)
         self.admission.kick()  # new replicas or looser limits may serve waiters now
         self.max_prefix_chars = max(p.prefix_chars for p in declared.pools.values())
-        self.metrics.sync(declared.lanes, self.fleet.replicas(), _cache_aware_pools(declared))
+        self.metrics.sync(
+            declared.lanes,
+            self.fleet.replicas(),
+            _cache_aware_pools(declared),
+            _continuing_lanes(declared),
+        )
         self.feeds.sync()
         for pool in declared.pools:
             self.metrics.series(self.metrics.panic, pool)

@@ -2,7 +2,8 @@
 with a ``cache_aware`` pool over two simulated replicas serves groups of prompts that share a
 system prompt, Prometheus scrapes it, and each panel's expression is evaluated through the HTTP
 API and compared with the truth (the simulators' own prefix-cache counters, the gateway's own
-indexes). The incident test has no ``cache_aware`` pool; this is where those panels are proved.
+indexes). The incident test routes one replica's pool ``cache_aware``; here two replicas share
+the groups, so the panels show a pool whose picks choose between replicas.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """From events to panels, checked: a real Prometheus scrapes a gateway and three simulated
-vLLM replicas during a scripted incident (a retry, a rejection, an operator ejection, a stall
-that ejects a replica and spills its lane), then every expression of every dashboard and every
-alert rule is evaluated through Prometheus' HTTP API and compared with what the script caused.
+vLLM replicas during a scripted incident (a retry, a rejection, an operator ejection, a
+deadlock that ejects a replica with two streams on it, one continued on the spill pool and one
+refused, a rescue, spills, a ``cache_aware`` pool, and the stall alert pending), then every
+expression of every dashboard and every alert rule is evaluated through Prometheus' HTTP API
+and compared with what the script caused. No panel may be empty.
 
 Counts come from the script (what it sent, what each response said) and from the simulators'
 own counters, never from the gateway's metrics. Counters over the whole incident are read with
@@ -26,6 +28,7 @@ import pytest
 import yaml
 
 from loadtest.sim.server import run_sim
+from proxy.routing import cache_aware
 
 from .gateway import policy_for, running_gateway, wait_healthy
 from .prometheus_server import Prometheus, running_prometheus
@@ -39,6 +42,10 @@ ALERTS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_tex
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 NAMES = {"fast-0": "interactive", "bulk-0": "bulk", "bulk-1": "bulk"}
 SHORT_RATE_S = 5  # the rate window of the "now" checks (stall signature)
+# A continued stream is counted under the replica that finished it: fast-0 froze, and the
+# bulk pool's one replica left in service took the rest of the answer.
+FINISHED_ON = {"continued": "bulk-0"}
+PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 # The long lane's prompt: a few hundred characters, so its estimate is mostly text. A two-word
 # message is dominated by the model's template (Qwen2.5 adds its default system prompt, ~26
 # tokens the gateway cannot know of), and its estimated/reported ratio says nothing of the
@@ -72,6 +79,23 @@ class Incident:
     sim_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
     admin: list[dict[str, Any]] = field(default_factory=list)
     sim_preemptions: dict[str, float] = field(default_factory=dict)
+    continued: list[Any] = field(default_factory=list)  # the continued stream's events
+    refused: list[Any] = field(default_factory=list)  # the stream that could not be
+    replayed_tokens: int = 0  # the continuation's token-id prompt, as bulk-0 received it
+    cache_blocks: dict[str, int] = field(default_factory=dict)  # the gateway's own index
+    cache_bytes: int = 0
+    fast_prefix: tuple[float, float] = (0.0, 0.0)  # fast-0's prefix-cache hits, queries
+    # A simulator's name by its address: vLLM's own series carry only the address (`instance`)
+    # in this Prometheus, as a scrape config without relabelling gives them.
+    names: dict[str, str] = field(default_factory=dict)
+
+    def subject(self, labels: dict[str, str]) -> str:
+        """Whom an alert is about: its replica, its lane, or the replica at its address."""
+        return (
+            labels.get("replica")
+            or labels.get("lane")
+            or self.names.get(labels.get("instance", ""), "")
+        )
 
     def count(self, pred: Callable[[str, int, str], bool]) -> int:
         return sum(1 for r in self.responses if pred(*r))
@@ -129,6 +153,7 @@ async def run_incident(tmp: Path) -> Incident:
         run_sim(name="bulk-1") as bulk1,
     ):
         sims = {"fast-0": fast, "bulk-0": bulk0, "bulk-1": bulk1}
+        inc.names = {s.url.removeprefix("http://"): n for n, s in sims.items()}
         dead = f"http://127.0.0.1:{free_port()}"
         policy = policy_for(
             {"interactive": [fast.url], "bulk": [bulk0.url, bulk1.url], "nowhere": [dead]},
@@ -153,6 +178,10 @@ async def run_incident(tmp: Path) -> Incident:
                 "eject_base_s": 300,
             },
         )
+        # The interactive pool routes for the prefix cache (the bulk pool keeps round robin:
+        # step 2 needs its order), and the short lane's streams continue across a failure.
+        policy["pools"]["interactive"]["balance"] = "cache_aware"
+        policy["continuation"] = {"enabled": True}
         for pool in policy["pools"].values():
             for replica in pool["replicas"]:
                 replica["name"] = next(
@@ -194,6 +223,7 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
     await until(all_up, 120, "every target up")
     t0 = time.time()
     await until(lambda: scraped_after(t0 + 2), 120, "scrapes before the incident")
+    prefix_before = [await sim_counter(sims["fast-0"].url, n) for n in PREFIX_COUNTERS]
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
 
@@ -204,7 +234,7 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
 
         # 1. ordinary traffic on both lanes
         for _ in range(4):
-            for lane, body in (("short", chat("hi", stream=True)), ("long", chat())):
+            for lane, body in (("short", chat(stream=True)), ("long", chat())):
                 r = await send(lane, body)
                 assert r.status_code == 200, (lane, r.status_code, r.text)
         # 2. one retry: bulk-1 answers 503 to everything, round robin sends it one of two
@@ -222,12 +252,44 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
         for _ in range(2):
             r = await send("long", chat())
             assert r.status_code == 200 and r.headers["x-tokenlane-replica"] == "bulk-0"
-        # 5. a stall: fast-0 freezes with a request running (the deadlock begins as its first
-        # token is due: a request arriving after a stall began would never reach the engine);
-        # the gateway ejects it (stall), rescues the request onto the bulk pool (a retry and a
-        # spill), and the lane spills. fast-0 generates nothing from here on.
+        # 5. a stall: fast-0 freezes (vLLM #37729's deadlock) with two streams mid-answer. The
+        # eligible one is continued on the bulk pool (its spill_to) once the gateway ejects
+        # fast-0 for the stall; the one that asked for logprobs cannot be, and ends with the
+        # error event. A request arriving after the freeze never reaches the engine: the
+        # gateway rescues it before its first token onto the bulk pool (a retry and a spill).
+        # fast-0 generates nothing from here on.
+        fast = sims["fast-0"]
+        started_streams = {"continued": asyncio.Event(), "refused": asyncio.Event()}
+
+        async def stream(name: str, body: dict[str, Any]) -> list[Any]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                events: list[Any] = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        data = line.removeprefix("data: ")
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        started_streams[name].set()
+            # A continued stream ends on the replica that finished it (the access line's
+            # replica); its header named the one it started on.
+            finished_on = FINISHED_ON.get(name, r.headers.get("x-tokenlane-replica", ""))
+            inc.responses.append(("short", r.status_code, finished_on))
+            return events
+
+        long_answer = {**chat(stream=True, max_tokens=200), "temperature": 0}
+        streams = {
+            "continued": asyncio.create_task(stream("continued", long_answer)),
+            "refused": asyncio.create_task(stream("refused", {**long_answer, "logprobs": True})),
+        }
+        await asyncio.wait_for(
+            asyncio.gather(*(e.wait() for e in started_streams.values())), timeout=60
+        )
         stalled_at = time.time()
-        await sims["fast-0"].set_fault({"fault": "stall", "after_tokens": 0})
+        await fast.set_fault({"fault": "stall", "after_tokens": 0})
+
+        async def frozen() -> bool:
+            return bool(fast.engine.stalled)
+
+        await until(frozen, 30, "fast-0's engine frozen with both streams running")
         rescued = asyncio.create_task(send("short", chat("hi", stream=True, max_tokens=64)))
 
         async def fast_ejected() -> bool:
@@ -236,9 +298,18 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
 
         await until(fast_ejected, 30, "fast-0 ejected for its stall")
         assert (await rescued).status_code == 200
+        inc.continued, inc.refused = await streams["continued"], await streams["refused"]
         for _ in range(2):
             r = await send("short", chat("hi", stream=True))
             assert r.status_code == 200 and r.headers["x-tokenlane-replica"] == "bulk-0"
+        # 6. the stall alert: a minute of fast-0 running with flat counters makes the rule
+        # true, and it is pending for its `for:` (promtool proves the firing).
+        stalled_alert = 'ALERTS{alertname="TokenlaneReplicaStalled", alertstate="pending"}'
+
+        async def stall_alert_pending() -> bool:
+            return bool(await _q(prom, stalled_alert))
+
+        await until(stall_alert_pending, 180, "TokenlaneReplicaStalled pending")
         inc.admin = (await client.get("/admin/replicas")).json()["replicas"]
 
     for name, sim in sims.items():
@@ -250,6 +321,17 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
     inc.sim_preemptions = {
         n: await sim_counter(s.url, "vllm:num_preemptions_total") for n, s in sims.items()
     }
+    hits, queries = [
+        await sim_counter(fast.url, name) - before
+        for name, before in zip(PREFIX_COUNTERS, prefix_before, strict=True)
+    ]
+    inc.fast_prefix = (hits, queries)
+    (cont_req,) = [
+        r["body"]
+        for r in sims["bulk-0"].requests()
+        if r["path"] == "/v1/completions" and isinstance((r["body"] or {}).get("prompt"), list)
+    ]
+    inc.replayed_tokens = len(cont_req["prompt"])
     # Settled: every target scraped (successfully) after the last event, and the "now" window
     # wholly after fast-0 froze; everything is then evaluated at that one instant, however long
     # the queries take on a loaded machine.
@@ -289,6 +371,11 @@ async def _script(inc: Incident, prom: Prometheus, url: str, app: Any, sims: dic
     for expr in alert_exprs().values():
         inc.results[expr] = await _q(prom, expr, at)
     inc.alerts = await _q(prom, "ALERTS", at)
+    # The interactive pool's index, as the gateway holds it: nothing routed to that pool since
+    # fast-0 froze, so it is what the last scrape exported.
+    router = cache_aware.routers(app.gateway.fleet)["interactive"]
+    inc.cache_blocks = {name: len(ix) for name, ix in router.indexes.items()}
+    inc.cache_bytes = sum(ix.nbytes for ix in router.indexes.values())
 
 
 # -- what each expression must show --------------------------------------------------------
@@ -473,18 +560,47 @@ def check_panel(inc: Incident, stem: str, title: str, ref: str, expr: str) -> Ro
             ok = got_d == {("interactive",): 0, ("bulk",): 0, ("nowhere",): 0}
         case ("tokenlane-replicas", "Gateway TTFT by replica: p50 / p99", _):
             exp, got, ok = quantiles(("replica",), {(n,) for n in served})
-        case ("tokenlane-lanes", title, _) if title.startswith(
-            ("Continuation", "Streams cut and not continued")
+        case ("tokenlane-lanes", "Continuations/s by trigger and outcome", _):
+            # Every lane continues (the lanes' switch is on by default): every lane x trigger x
+            # outcome at 0 or more.
+            exp, got, ok = counts_check(
+                values(res, "lane", "trigger", "outcome"), {("short", "stall", "ok"): 1}, w
+            )
+            ok, got = ok and len(res) == 3 * 5 * 2, f"{got} ({len(res)} series)"
+        case ("tokenlane-lanes", "Streams cut and not continued, by reason", _):
+            exp, got, ok = counts_check(
+                values(res, "lane", "reason"), {("short", "logprobs"): 1}, w
+            )
+            ok, got = ok and len(res) == 3 * 18, f"{got} ({len(res)} series)"
+        case (
+            "tokenlane-lanes",
+            "Continuation gap p50 / p99, and tokens prefilled again",
+            "A" | "B",
         ):
-            # Continuation is off (the default) in this incident's policy: the stall's request
-            # was rescued before it streamed, so nothing was continued or refused.
-            shown = {k: v for k, v in values(res, "lane").items() if finite(v) and v != 0}
-            exp, got, ok = "no series (continuation is off)", str(shown), not shown
-        case ("tokenlane-replicas", title, _) if title.startswith("cache_aware:"):
-            # No pool of this incident is cache_aware (step 2 needs round robin's order), so
-            # these panels have no series; tests/test_cache_panels_prometheus.py proves them.
-            shown = {k: v for k, v in values(res, "pool", "replica").items() if finite(v)}
-            exp, got, ok = "no series (no cache_aware pool)", str(shown), not shown
+            exp, got, ok = quantiles(("lane",), {("short",)})
+        case ("tokenlane-lanes", "Continuation gap p50 / p99, and tokens prefilled again", "C"):
+            exp, got, ok = counts_check(values(res, "lane"), {("short",): inc.replayed_tokens}, w)
+        case ("tokenlane-replicas", "cache_aware: prefix matched per pick, p50 / p99", _):
+            # Four picks of one prompt: the later three matched the first's whole prefix.
+            got_d = values(res, "pool")
+            exp, got = "interactive > 0", str(got_d)
+            ok = set(got_d) == {("interactive",)} and got_d[("interactive",)] > 0
+        case ("tokenlane-replicas", "cache_aware: prefix-cache hit rate per pool", _):
+            hits, queries = inc.fast_prefix
+            true_rate = hits / queries if queries else math.nan
+            got_d = values(res, "pool")
+            exp, got = f"interactive {true_rate:.3f} (fast-0's own counters)", str(got_d)
+            ok = (
+                set(got_d) == {("interactive",)} and abs(got_d[("interactive",)] - true_rate) < 0.03
+            )
+        case ("tokenlane-replicas", "cache_aware: prefix index blocks per replica", _):
+            got_d = {k[0]: v for k, v in values(res, "replica").items()}
+            exp, got = f"the gateway's index: {inc.cache_blocks}", str(got_d)
+            ok = got_d == inc.cache_blocks and got_d.get("fast-0", 0) > 0
+        case ("tokenlane-replicas", "cache_aware: prefix index memory per pool", _):
+            got_d = values(res, "pool")
+            exp, got = f"interactive {inc.cache_bytes}", str(got_d)
+            ok = got_d == {("interactive",): float(inc.cache_bytes)}
         case _:
             exp, got, ok = "a check for this panel", "none written", False
     return Row(key, exp, got, ok)
@@ -492,13 +608,12 @@ def check_panel(inc: Incident, stem: str, title: str, ref: str, expr: str) -> Ro
 
 def alert_rows(inc: Incident) -> list[Row]:
     state = {
-        (a["metric"]["alertname"], a["metric"].get("replica") or a["metric"].get("lane", "")): a[
-            "metric"
-        ]["alertstate"]
+        (a["metric"]["alertname"], inc.subject(a["metric"])): a["metric"]["alertstate"]
         for a in inc.alerts
-        if a["metric"]["alertname"] != "TokenlaneReplicaStalled"  # its own test
     }
     want = {
+        # pending for its `for: 1m` when the incident ends; promtool proves the firing
+        ("TokenlaneReplicaStalled", "fast-0"): "pending",
         ("TokenlaneReplicaEjected", "fast-0"): "firing",
         ("TokenlaneReplicaEjected", "bulk-1"): "firing",
         ("TokenlaneGatewayRejecting", "huge"): "pending",  # `for: 3m`
@@ -506,15 +621,12 @@ def alert_rows(inc: Incident) -> list[Row]:
     rows = [Row("alerts (ALERTS series)", str(want), str(state), state == want)]
     exprs = alert_exprs()
     expected_hits = {
+        "TokenlaneReplicaStalled": {"fast-0"},
         "TokenlaneReplicaEjected": {"fast-0", "bulk-1"},
         "TokenlaneGatewayRejecting": {"huge"},
     }
     for name, expr in exprs.items():
-        if name == "TokenlaneReplicaStalled":
-            continue  # its own test: it needs the simulator's stall to be a deadlock
-        hits = {
-            s["metric"].get("replica") or s["metric"].get("lane", "") for s in inc.results[expr]
-        }
+        hits = {inc.subject(s["metric"]) for s in inc.results[expr]}
         want_hits = expected_hits.get(name, set())
         rows.append(
             Row(f"alert expr {name}", str(sorted(want_hits)), str(sorted(hits)), hits == want_hits)
@@ -539,10 +651,11 @@ def test_every_panel_and_alert_shows_what_happened(incident: Incident) -> None:
 
 
 def test_a_stalled_replica_shows_the_deadlock_signature(incident: Incident) -> None:
-    """vLLM #37729 as Prometheus sees the simulator's deadlock: fast-0 keeps the request that
-    the gateway rescued elsewhere (and aborted on fast-0) running, and generates nothing.
-    TokenlaneReplicaStalled needs a minute of that before it is even pending, longer than the
-    incident: promtool tests its window and `for` (deploy/prometheus/alerts_test.yml)."""
+    """vLLM #37729 as Prometheus sees the simulator's deadlock: fast-0 keeps the two streams
+    the gateway moved elsewhere (and aborted on fast-0) running, and generates nothing; the
+    continued one finished its answer and the other ended with the error event. A minute of
+    that makes TokenlaneReplicaStalled pending (the alert rows); promtool tests its window and
+    `for` (deploy/prometheus/alerts_test.yml)."""
     running_expr, tokens_expr = (
         next(
             e for _, t, r, e in dashboard_targets() if t.startswith("Stall signature") and r == ref
@@ -550,8 +663,16 @@ def test_a_stalled_replica_shows_the_deadlock_signature(incident: Incident) -> N
         for ref in "AB"
     )
     running = values(incident.results[running_expr], "replica")
-    assert running == {("fast-0",): 1, ("bulk-0",): 0, ("bulk-1",): 0}, running
+    assert running == {("fast-0",): 2, ("bulk-0",): 0, ("bulk-1",): 0}, running
     tokens_now = values(incident.now_results[tokens_expr], "replica")
     assert tokens_now[("fast-0",)] == 0, tokens_now
     rescued = [r for r in incident.responses if r[0] == "short" and r[2].startswith("bulk")]
     assert rescued and all(status == 200 for _, status, _ in rescued), incident.responses
+    # The continued stream: one answer, whole, with no error event; 200 tokens in all.
+    chunks = [e for e in incident.continued if isinstance(e, dict)]
+    assert incident.continued[-1] == "[DONE]" and not any("error" in e for e in chunks)
+    finishes = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"], finishes
+    # The one that asked for logprobs could not be continued: it ends with the error event.
+    assert incident.refused[-1] == "[DONE]"
+    assert any("error" in e for e in incident.refused if isinstance(e, dict))

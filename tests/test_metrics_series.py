@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fake_upstream import running
 from proxy.observe.metrics import (
+    CONTINUATION_REFUSALS,
+    CONTINUATION_TRIGGERS,
     EJECTION_REASONS,
     RETRY_REASONS,
     Metrics,
@@ -22,6 +24,7 @@ from proxy.observe.metrics import (
     replica_ttft_s,
 )
 from proxy.policyfile import build_policy
+from proxy.relay.continuation import Refusal, Trigger
 
 from .gateway import policy_for, running_gateway
 from .test_reload import gateway_with_file, write_atomically
@@ -94,6 +97,33 @@ def test_known_label_sets_cover_every_lane_and_replica() -> None:
         ("i", "a", "http://a:1", "a:1"),
         ("b", "bee", "http://b:1", "b:1"),
     }
+
+
+def test_continuation_series_exist_for_the_lanes_that_continue() -> None:
+    lanes = lanes_of(
+        policy_for(
+            {"i": ["http://a:1"]},
+            lanes=[
+                {"name": "on", "pool": "i", "when": {"stream": True}},
+                {"name": "off", "pool": "i"},
+            ],
+        )
+    )
+    sets = known_label_sets(lanes, [("i", "a", "http://a:1")], continuing_lanes=["on"])
+    assert sets["continuations"] == {
+        ("on", t, o) for t in CONTINUATION_TRIGGERS for o in ("ok", "failed")
+    }
+    # A lane that cannot continue can only refuse a cut stream as `disabled`.
+    assert sets["continuation_refusals"] == {("on", r) for r in CONTINUATION_REFUSALS} | {
+        ("off", "disabled")
+    }
+    assert sets["continuation_gap"] == sets["continuation_replayed"] == {("on",)}
+
+
+def test_the_continuation_label_values_are_the_relays_own() -> None:
+    # observe may not import relay (tests/test_layers.py), so the values are written twice.
+    assert set(CONTINUATION_TRIGGERS) == {t.value for t in Trigger}
+    assert set(CONTINUATION_REFUSALS) == {r.value for r in Refusal}
 
 
 def test_diff_keeps_what_stays() -> None:

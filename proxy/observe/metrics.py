@@ -83,6 +83,13 @@ RETRY_REASONS = tuple(RetryReason)
 # Rejections recorded against a lane; `unauthorized` comes before any lane is known and is
 # recorded under NO_LANE (proxy/edge/auth.py).
 LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
+# proxy/relay/continuation.py's Trigger and Refusal values (observe imports nothing of relay).
+CONTINUATION_TRIGGERS = ("eof", "reset", "error_event", "abort", "stall")
+CONTINUATION_REFUSALS = (
+    "disabled", "n", "tools", "structured", "logprobs", "stop", "content", "seeded",
+    "usage_stats", "reasoning", "seq_len", "no_ids", "limit", "no_target", "busy",
+    "client_error", "malformed", "api",
+)  # fmt: skip
 CACHE_AWARE_REASONS = ("longest_match", "new_prefix", "replicated")  # cache_aware.Verdict
 NO_LANE = "none"
 # The relayed APIs, as ``Call.kind`` names them (``other``: every pass-through path).
@@ -112,13 +119,16 @@ def known_label_sets(
     lanes: Iterable[LaneConfig],
     replicas: Iterable[tuple[str, str, str]],
     cache_aware_pools: Iterable[str] = (),
+    continuing_lanes: Iterable[str] = (),
 ) -> LabelSets:
     """Every label set the policy makes possible for the counters, by metric attribute.
 
     Created at 0 when the policy loads, so ``rate()`` and ``increase()`` see the first event:
     a series born at 1 has no earlier sample, and Prometheus counts its first increment as
     nothing. ``replicas`` are (pool, name, url); ``cache_aware_pools`` get their routing
-    series (and lose them when a reload gives the pool another balance)."""
+    series (and lose them when a reload gives the pool another balance);
+    ``continuing_lanes`` (continuation on, and the lane's switch) get the continuation series,
+    and every other lane the one refusal its cut streams can have, ``disabled``."""
     sets: LabelSets = {
         "requests": set(),
         "api_requests": set(),
@@ -142,7 +152,12 @@ def known_label_sets(
         "prefix_index_bytes": set(),
         "replica_prefix_hits": set(),
         "replica_prefix_queries": set(),
+        "continuations": set(),
+        "continuation_refusals": set(),
+        "continuation_gap": set(),
+        "continuation_replayed": set(),
     }
+    continuing = set(continuing_lanes)
     cached = set(cache_aware_pools)
     for pool in cached:
         sets["prefix_match"].add((pool,))
@@ -163,6 +178,15 @@ def known_label_sets(
         for attr in ("ttft", "inter_token", "duration"):
             sets[attr].update((lane.name, p) for p in pools if p is not None)
         sets["overhead"].add((lane.name,))
+        if lane.name in continuing:
+            sets["continuations"].update(
+                (lane.name, t, o) for t in CONTINUATION_TRIGGERS for o in ("ok", "failed")
+            )
+            sets["continuation_refusals"].update((lane.name, r) for r in CONTINUATION_REFUSALS)
+            sets["continuation_gap"].add((lane.name,))
+            sets["continuation_replayed"].add((lane.name,))
+        else:
+            sets["continuation_refusals"].add((lane.name, "disabled"))
     for pool, name, url in replicas:
         sets["prompt_tokens_estimated"].add((pool,))
         sets["prompt_tokens_reported"].add((pool,))
@@ -475,6 +499,7 @@ class Metrics:
         lanes: Iterable[LaneConfig],
         replicas: Iterable[Any],
         cache_aware_pools: Iterable[str] = (),
+        continuing_lanes: Iterable[str] = (),
     ) -> None:
         """Make the series match the policy just loaded: every known label set exists (at 0
         when new), the lanes' bounds are current, and label sets of lanes and replicas that
@@ -482,7 +507,10 @@ class Metrics:
         lanes = list(lanes)
         self.set_lane_bounds(lanes)
         new = known_label_sets(
-            lanes, [(r.pool, r.name, r.url) for r in replicas], cache_aware_pools
+            lanes,
+            [(r.pool, r.name, r.url) for r in replicas],
+            cache_aware_pools,
+            continuing_lanes,
         )
         add, gone = diff_label_sets(self._known, new)
         self._apply(add, gone)

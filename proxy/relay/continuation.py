@@ -141,6 +141,11 @@ def eligibility(
     return None
 
 
+def continues(cfg: ContinuationConfig, lane_switch: bool) -> bool:
+    """Whether a lane's streams can be continued at all under the policy in force."""
+    return cfg.enabled and lane_switch and cfg.max_attempts > 0
+
+
 def refusal_under(
     cfg: ContinuationConfig, lane_switch: bool, kind: str, body: dict[str, Any]
 ) -> Refusal | None:
@@ -149,7 +154,7 @@ def refusal_under(
     return eligibility(
         kind,
         body,
-        enabled=cfg.enabled and lane_switch and cfg.max_attempts > 0,
+        enabled=continues(cfg, lane_switch),
         refuse_when_seeded=cfg.refuse_when_seeded,
     )
 
