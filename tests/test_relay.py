@@ -286,12 +286,6 @@ async def test_tcp_nodelay_is_set_on_both_sides() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect on main (2026-11-23): while one client stops reading a 100 MB stream, "
-    "every other stream through the gateway process stops for ~4.3 s of the 5 s; under "
-    "investigation (issue 18, slow and silent clients)",
-)
 async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_path: Path) -> None:
     """One client stops reading for 5 s while 99 others stream: theirs keep flowing, the
     gateway's memory stays bounded, and the stalled stream's upstream writer is held back."""
@@ -350,7 +344,11 @@ async def test_a_stalled_reader_holds_back_its_upstream_and_not_the_others(tmp_p
     finally:
         await up.stop()
     # Held up behind the stalled one, the others would stop for the whole 5 s; a paused
-    # machine alone stops them for well under 3.
+    # machine alone stops them for well under 3. (On 2026-11-23 one run saw them stop ~4.3 s;
+    # on 2026-11-26 neither that day's code nor main reproduced it (both passed with a soak
+    # running beside; main's longest gap 0.3 s), so the test is no longer marked as failing.)
+    print(f"longest gap of the other streams: {max(gaps) * 1000:.0f} ms, upstream wrote "
+          f"{written / 2**20:.1f} MiB, gateway grew {grown / 2**20:.1f} MiB")  # fmt: skip
     assert max(gaps) < 3.0, f"other streams stopped flowing ({max(gaps):.1f}s)"
     assert grown < 5 * 1024 * 1024, f"gateway grew {grown / 2**20:.1f} MiB"
     # Unheld, the fake would have written the whole 100 MB in well under 5 s.
