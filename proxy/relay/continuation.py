@@ -206,6 +206,50 @@ _IDS_KEY = b'token_ids":'
 _ID_BYTES = b"0123456789, \t\r\n"
 
 
+# An ordinary token chunk (one choice, not finished, no error, tool call, reasoning, usage or
+# prompt ids) is read without parsing it: where its ids are and whether it carries text. Any
+# other event, or one written otherwise than vLLM's compact JSON, is parsed (``Splice.observe``).
+# A quote inside a JSON string is escaped, so none of these keys can be matched inside a text.
+_TOKEN_IDS = b'"token_ids":['
+_NOT_A_TOKEN_CHUNK = (
+    b'"error"',
+    b'"tool_calls"',
+    b'"reasoning',
+    b'"prompt_token_ids"',
+    b'"usage":{',
+    b'"system_fingerprint":"',
+)
+_TEXT_KEY = {"chat": b'"content":"', "completion": b'"text":"'}
+
+
+def token_event(event: bytes, kind: str) -> tuple[int, int, bool] | None:
+    """(where the ``token_ids`` list opens, where it closes, whether the chunk carries text)
+    for an ordinary token chunk of a ``kind`` stream; None for any other event."""
+    if not event.startswith(b"data: {") or event.count(b'"finish_reason"') != 1:
+        return None
+    if b'"finish_reason":null' not in event:
+        return None
+    for key in _NOT_A_TOKEN_CHUNK:
+        if key in event:
+            return None
+    i = event.find(_TOKEN_IDS)
+    if i < 0:
+        return None
+    opens = i + len(_TOKEN_IDS) - 1
+    closes = event.find(b"]", opens)
+    if closes < 0 or event.find(_TOKEN_IDS, closes) >= 0:
+        return None
+    ids = event[opens + 1 : closes]
+    if ids and (
+        ids.translate(None, b"0123456789,") or b",," in ids or ids[0] == 0x2C or ids[-1] == 0x2C
+    ):
+        return None  # not a plain list of integers: parsed
+    text_key = _TEXT_KEY[kind]
+    t = event.find(text_key)
+    text = t >= 0 and event[t + len(text_key)] != 0x22  # not the empty string
+    return opens, closes, text
+
+
 def strip_ids(event: bytes) -> bytes:
     """An event with its ``prompt_token_ids`` / ``token_ids`` lists replaced by null."""
     i = event.find(_IDS_KEY)
@@ -329,6 +373,15 @@ class Splice:
             self.finish_reason = finish
             self.text_ids = len(self.ids)
         return None
+
+    def take_ids(self, event: bytes, opens: int, closes: int, text: bool) -> None:
+        """Note an ordinary token chunk found by ``token_event``: what ``observe`` would note
+        of it, without parsing it."""
+        if closes > opens + 1:
+            self.ids.extend(map(int, event[opens + 1 : closes].split(b",")))
+        if text:
+            self.reasoning_open = False
+            self.text_ids = len(self.ids)
 
     # -- the seam --------------------------------------------------------------------------
 

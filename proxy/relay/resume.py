@@ -117,53 +117,70 @@ class Resumer:
         trigger: cont.Trigger | None = None
         why = ""
         itl = self.metrics.series(self.metrics.inter_token, call.lane.name, attempt.replica.pool)
+        kind = sp.kind
         t = now()
         try:
             async for chunk in raw_chunks(response):
                 attempt.last_progress = time.monotonic()
-                out: list[bytes] = []
-                content = False
-                for ev in events.feed(chunk):
-                    obj = sse.parse_event(ev)
-                    if obj is sse.DONE:
-                        ended = True
-                        out.append(b"data: [DONE]\n\n")
-                        break
-                    if not isinstance(obj, dict):
-                        if sse.event_data(ev) is not None:
-                            # Not JSON: the ids can no longer be trusted.
-                            if not call.started:
-                                raise AttemptFault(Fault.ERROR_EVENT, f"{name} sent a bad chunk")
-                            self._refused(call, cont.Refusal.MALFORMED)
-                            await self.end_with_error(
-                                call, send, f"replica {name} sent a chunk that is not JSON"
-                            )
-                            return
-                        out.append(ev + b"\n\n")
-                        continue
-                    if sse.is_error(obj):
-                        if not call.started:
-                            raise AttemptFault(
-                                Fault.ERROR_EVENT,
-                                f"{name} failed before the first token: {sse.error_message(obj)}",
-                            )
-                        if cont.error_code(obj) < 500:
-                            out.append(ev + b"\n\n")  # the request's own fault: relayed
-                            self._refused(call, cont.Refusal.CLIENT_ERROR)
+                # Once the client has bytes, a read that is one ordinary token chunk (vLLM sends
+                # one event per token) is relayed without parsing it.
+                out: list[bytes]
+                if (
+                    call.started
+                    and events.empty
+                    and chunk.find(b"\n\n") == len(chunk) - 2
+                    and (token := cont.token_event(chunk, kind)) is not None
+                ):
+                    opens, closes, content = token
+                    sp.take_ids(chunk, opens, closes, content)
+                    out = [chunk[:opens] + b"null" + chunk[closes + 1 :] if strip else chunk]
+                else:
+                    out = []
+                    content = False
+                    for ev in events.feed(chunk):
+                        obj = sse.parse_event(ev)
+                        if obj is sse.DONE:
+                            ended = True
+                            out.append(b"data: [DONE]\n\n")
+                            break
+                        if not isinstance(obj, dict):
+                            if sse.event_data(ev) is not None:
+                                # Not JSON: the ids can no longer be trusted.
+                                if not call.started:
+                                    raise AttemptFault(
+                                        Fault.ERROR_EVENT, f"{name} sent a bad chunk"
+                                    )
+                                self._refused(call, cont.Refusal.MALFORMED)
+                                await self.end_with_error(
+                                    call, send, f"replica {name} sent a chunk that is not JSON"
+                                )
+                                return
+                            out.append(ev + b"\n\n")
                             continue
-                        trigger, why = cont.Trigger.ERROR_EVENT, sse.error_message(obj)
-                        break
-                    if sp.observe(obj) is cont.Trigger.ABORT:
-                        if not call.started:
-                            raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
-                        trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
-                        break
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict):
-                        call.usage = usage
-                    out.append((cont.strip_ids(ev) if strip else ev) + b"\n\n")
-                    if not content and sse.carries_content(obj):
-                        content = True
+                        if sse.is_error(obj):
+                            if not call.started:
+                                msg = sse.error_message(obj)
+                                raise AttemptFault(
+                                    Fault.ERROR_EVENT,
+                                    f"{name} failed before the first token: {msg}",
+                                )
+                            if cont.error_code(obj) < 500:
+                                out.append(ev + b"\n\n")  # the request's own fault: relayed
+                                self._refused(call, cont.Refusal.CLIENT_ERROR)
+                                continue
+                            trigger, why = cont.Trigger.ERROR_EVENT, sse.error_message(obj)
+                            break
+                        if sp.observe(obj) is cont.Trigger.ABORT:
+                            if not call.started:
+                                raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
+                            trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
+                            break
+                        usage = obj.get("usage")
+                        if isinstance(usage, dict):
+                            call.usage = usage
+                        out.append((cont.strip_ids(ev) if strip else ev) + b"\n\n")
+                        if not content and sse.carries_content(obj):
+                            content = True
                 if not call.started:
                     held += out
                     if content:

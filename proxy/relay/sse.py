@@ -32,6 +32,11 @@ class EventBuffer:
         self._data = b""
         self._start = 0  # what is pending is self._data[self._start:]
 
+    @property
+    def empty(self) -> bool:
+        """Nothing pending: the next chunk starts an event."""
+        return self._start >= len(self._data)
+
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         """The complete events so far, one at a time: a reader that stops early (at the first
         content) does not pay for splitting, or copying, the rest of a large read.
