@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +17,7 @@ from proxy.fleet.detect import (
     may_eject,
     not_generating,
     note_scrape,
+    probe_early,
     silent_failure_ejects,
     silent_streams,
     slow_start_weight,
@@ -149,6 +151,20 @@ def test_decay_drops_one_level_per_base_healthy(level, since, now, expected) -> 
 )
 def test_ejection_cap_rounds_down_but_allows_one(size, percent, cap) -> None:
     assert ejection_cap(size, percent) == cap
+
+
+@pytest.mark.parametrize(
+    ("for_failure", "until", "now", "early"),
+    [
+        (True, 130.0, 100.0, True),  # time left: probed now
+        (True, 100.0, 100.0, False),  # over anyway: the tick moves it
+        (True, 90.0, 100.0, False),
+        (False, 130.0, 100.0, False),  # the operator's: until readmitted
+        (True, math.inf, 100.0, False),
+    ],
+)
+def test_probe_early(for_failure: bool, until: float, now: float, early: bool) -> None:
+    assert probe_early(for_failure, until, now) is early
 
 
 def test_may_eject_counts_replicas_already_out() -> None:

@@ -309,12 +309,41 @@ def test_capped_ejection_happens_once_there_is_room() -> None:
     fail(fleet, r0)
     fail(fleet, r1)
     assert r1.state is H and panic(m) == 1
-    clock.t = r0.ejected_until
-    fleet.tick(r0, clock.t)
+    # The hold-back probes r0 at once, not at the end of its ejection: its canary passes.
+    assert r0.state is P
     admit(fleet, r0, clock)
     fleet.tick(r1, clock.t)
     assert (r1.state, r1.reason) == (E, EjectReason.CONSECUTIVE_FAILURES)
     assert panic(m) == 0
+
+
+def test_a_held_back_ejection_probes_the_ejected_once_per_episode() -> None:
+    fleet, clock, _m = make({"max_ejected_percent": 50})
+    r0, r1, r2 = fleet.replicas()
+    for r in (r0, r1, r2):
+        admit(fleet, r, clock)
+    fail(fleet, r0)
+    level = r0.backoff_level
+    fail(fleet, r1)
+    assert r0.state is P
+    fleet.canary_result(r0, False, clock.t)  # still broken: out again, for longer
+    assert (r0.state, r0.reason) == (E, EjectReason.CANARY_FAILED)
+    assert r0.backoff_level == level + 1
+    fail(fleet, r1)  # r1 still held back: no second early probe in the same episode
+    assert r0.state is E and r1.capped is EjectReason.CONSECUTIVE_FAILURES
+    clock.t = r0.ejected_until
+    fleet.tick(r0, clock.t)
+    assert r0.state is P  # and its ejection ends on time as ever
+
+
+def test_an_operator_ejection_is_not_probed_early() -> None:
+    fleet, clock, _m = make({"max_ejected_percent": 50})
+    r0, r1, r2 = fleet.replicas()
+    for r in (r0, r1, r2):
+        admit(fleet, r, clock)
+    fleet.operator_eject(r0)
+    fail(fleet, r1)
+    assert r1.capped is not None and (r0.state, r0.reason) == (E, EjectReason.OPERATOR)
 
 
 def test_stall_is_never_capped() -> None:
@@ -602,7 +631,8 @@ def test_total_outage_leaves_no_candidate_until_a_replica_answers_health() -> No
     fail(fleet, r0)
     fail(fleet, r1)
     fail(fleet, r2)
-    assert r0.state is E and r1.capped and r2.capped  # the cap keeps two "healthy"
+    # The cap keeps two "healthy"; r0 is out, probed early (its canary has not answered).
+    assert r0.state is P and r1.capped and r2.capped
     assert pool.candidates("m") and not pool.outage  # their /health still answered
     for r in (r1, r2):
         fleet.observe_health(r, False, clock.t)

@@ -32,7 +32,10 @@ Decisions documented here (the policy keys in docs/policy.md leave them open):
 - **Cap.** At most ``max_ejected_percent`` of a pool may be out for failure-based reasons,
   rounded down but at least one replica when the percentage is above 0 (as Envoy does), so a
   one-replica pool with a ``spill_to`` can still shed a dead replica. Replicas that are out for
-  any reason (ejected or probing) count against the cap; a stall ejects regardless.
+  any reason (ejected or probing) count against the cap; a stall ejects regardless. When the
+  cap first holds a failing replica back, the pool's replicas ejected for failures are probed
+  at once instead of at the end of their ejection (``probe_early``): a replica whose fault
+  lifted comes back through its canary, and the failing one can then be ejected in its place.
 """
 
 from __future__ import annotations
@@ -212,6 +215,14 @@ def ejection_cap(pool_size: int, max_percent: int) -> int:
 def may_eject(pool_size: int, out_now: int, max_percent: int) -> bool:
     """Would one more failure-based ejection stay within the cap?"""
     return out_now + 1 <= ejection_cap(pool_size, max_percent)
+
+
+def probe_early(out_for_failure: bool, ejected_until: float, now: float) -> bool:
+    """Should an ejected replica be tried again now, before its ejection is over, because the
+    cap holds back the ejection of a failing peer? Only a failure-based ejection (an operator's
+    lasts until readmitted) with time left: one canary, and if it passes the failing peer can
+    go in its place; if it fails the replica is out again, for longer."""
+    return out_for_failure and now < ejected_until < math.inf
 
 
 def slow_start_weight(healthy_for_s: float, slow_start_s: float) -> float:

@@ -415,7 +415,8 @@ class Fleet:
         if detect.may_eject(len(pool.replicas), out, self.health.max_ejected_percent):
             self._eject(replica, reason, now, "")
             return
-        if replica.capped is None:
+        first = replica.capped is None
+        if first:
             log.warning(
                 "replica=%s pool=%s ejection for %s held back: %d of %d replicas already out "
                 "(max_ejected_percent %d); it keeps serving",
@@ -424,6 +425,14 @@ class Fleet:
             )  # fmt: skip
         replica.capped = reason
         self._update_panic(pool.name)
+        if first:
+            for other in pool.replicas:
+                if other.state is ReplicaState.EJECTED and detect.probe_early(
+                    other.reason is not EjectReason.OPERATOR, other.ejected_until, now
+                ):
+                    other.ejected_until = 0.0
+                    self._move(other, ReplicaState.PROBING, other.reason, now,
+                               f"probed early: {replica.name}'s ejection is held back")  # fmt: skip
 
     def _eject(
         self,

@@ -206,48 +206,27 @@ _IDS_KEY = b'token_ids":'
 _ID_BYTES = b"0123456789, \t\r\n"
 
 
-# An ordinary token chunk (one choice, not finished, no error, tool call, reasoning, usage or
-# prompt ids) is read without parsing it: where its ids are and whether it carries text. Any
-# other event, or one written otherwise than vLLM's compact JSON, is parsed (``Splice.observe``).
-# A quote inside a JSON string is escaped, so none of these keys can be matched inside a text.
+# An ordinary token chunk is read without parsing it. vLLM writes every token chunk of a
+# stream alike: the same head (id, object, created, model, the choice's index), the text as a
+# JSON string, the same tail (logprobs, finish_reason, ... up to token_ids), then the ids. The
+# first such chunk, parsed and checked, gives the head and tail (``Splice.learn_template``);
+# a later chunk with that head and tail and a text holding no quote is one (``token_chunk``).
+# Anything else (the role chunk, a finish, an error, tool calls, reasoning, usage, a text
+# with a quote, two events in one read) is parsed.
+_TEMPLATE_MARK = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
 _TOKEN_IDS = b'"token_ids":['
-_NOT_A_TOKEN_CHUNK = (
-    b'"error"',
-    b'"tool_calls"',
-    b'"reasoning',
-    b'"prompt_token_ids"',
-    b'"usage":{',
-    b'"system_fingerprint":"',
-)
-_TEXT_KEY = {"chat": b'"content":"', "completion": b'"text":"'}
+_TOKEN_END = b"]}]}"  # the ids' list, the choice, the choices, the chunk
+_TOP_KEYS = frozenset(("id", "object", "created", "model", "choices"))
+_CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason", "stop_reason",
+                          "prompt_token_ids", "token_ids"))  # fmt: skip
+_NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
-def token_event(event: bytes, kind: str) -> tuple[int, int, bool] | None:
-    """(where the ``token_ids`` list opens, where it closes, whether the chunk carries text)
-    for an ordinary token chunk of a ``kind`` stream; None for any other event."""
-    if not event.startswith(b"data: {") or event.count(b'"finish_reason"') != 1:
-        return None
-    if b'"finish_reason":null' not in event:
-        return None
-    for key in _NOT_A_TOKEN_CHUNK:
-        if key in event:
-            return None
-    i = event.find(_TOKEN_IDS)
-    if i < 0:
-        return None
-    opens = i + len(_TOKEN_IDS) - 1
-    closes = event.find(b"]", opens)
-    if closes < 0 or event.find(_TOKEN_IDS, closes) >= 0:
-        return None
-    ids = event[opens + 1 : closes]
-    if ids and (
+def plain_ids(ids: bytes) -> bool:
+    """Whether the bytes inside a ``token_ids`` list are integers and commas, as vLLM writes."""
+    return not ids or not (
         ids.translate(None, b"0123456789,") or b",," in ids or ids[0] == 0x2C or ids[-1] == 0x2C
-    ):
-        return None  # not a plain list of integers: parsed
-    text_key = _TEXT_KEY[kind]
-    t = event.find(text_key)
-    text = t >= 0 and event[t + len(text_key)] != 0x22  # not the empty string
-    return opens, closes, text
+    )
 
 
 def strip_ids(event: bytes) -> bytes:
@@ -290,6 +269,7 @@ class Splice:
         "deadline",
         "failure",
         "finish_reason",
+        "head",
         "id",
         "ids",
         "kind",
@@ -299,6 +279,7 @@ class Splice:
         "reasoning_open",
         "seams",
         "system_fingerprint",
+        "tail",
         "text_ids",
         "tool_call",
         "wants_usage",
@@ -328,6 +309,8 @@ class Splice:
         self.seams: list[dict[str, Any]] = []
         self.deadline: float | None = None  # the request's, event loop time
         self.failure: FailureKind | None = None  # the first replica's, told to the fleet
+        self.head: bytes | None = None  # the stream's token-chunk template (learn_template)
+        self.tail = b""
 
     # -- the first segment -----------------------------------------------------------------
 
@@ -374,11 +357,61 @@ class Splice:
             self.text_ids = len(self.ids)
         return None
 
+    def learn_template(self, event: bytes, obj: dict[str, Any]) -> None:
+        """Take this stream's token-chunk head and tail from ``event`` (parsed as ``obj``)
+        when it is an ordinary token chunk whose text holds no quote or backslash."""
+        if not _TOP_KEYS.issuperset(obj) or not event.endswith(_TOKEN_END):
+            return
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return
+        choice = choices[0]
+        if not _CHOICE_KEYS.issuperset(choice) or not isinstance(choice.get("token_ids"), list):
+            return
+        if any(choice.get(k) is not None for k in _NULL_KEYS):
+            return
+        delta = choice.get("delta")
+        if self.kind == "chat" and (not isinstance(delta, dict) or list(delta) != ["content"]):
+            return
+        mark = _TEMPLATE_MARK[self.kind]
+        start = event.find(mark)
+        if start < 0:
+            return
+        start += len(mark)
+        end = event.find(b'"', start)
+        ids_at = event.rfind(_TOKEN_IDS)
+        if end < 0 or b"\\" in event[start:end] or ids_at < end:
+            return
+        self.head = event[:start]
+        self.tail = event[end : ids_at + len(_TOKEN_IDS)]
+
+    def token_chunk(self, chunk: bytes) -> tuple[int, int, bool] | None:
+        """(where the ids' list opens, where it closes, whether there is text) when ``chunk``
+        is one ordinary token chunk (one event, ``\\n\\n`` ended) of the learned template."""
+        head = self.head
+        if head is None or not chunk.startswith(head) or not chunk.endswith(b"]}]}\n\n"):
+            return None
+        h = len(head)
+        t = chunk.rfind(self.tail)
+        # No quote in the text (escaped, or a second event in the read) and no backslash at
+        # its end (the tail's quote would be escaped): else parsed.
+        if t < h or chunk.find(b'"', h, t) >= 0 or (t > h and chunk[t - 1] == 0x5C):
+            return None
+        opens = t + len(self.tail) - 1
+        closes = len(chunk) - 6
+        ids = chunk[opens + 1 : closes]
+        if not ids.isdigit() and not plain_ids(ids):  # one id: the common case
+            return None
+        return opens, closes, t > h
+
     def take_ids(self, event: bytes, opens: int, closes: int, text: bool) -> None:
-        """Note an ordinary token chunk found by ``token_event``: what ``observe`` would note
+        """Note an ordinary token chunk found by ``token_chunk``: what ``observe`` would note
         of it, without parsing it."""
-        if closes > opens + 1:
-            self.ids.extend(map(int, event[opens + 1 : closes].split(b",")))
+        raw = event[opens + 1 : closes]
+        if raw.isdigit():  # one id: the common case
+            self.ids.append(int(raw))
+        elif raw:
+            self.ids.extend(map(int, raw.split(b",")))
         if text:
             self.reasoning_open = False
             self.text_ids = len(self.ids)

@@ -117,7 +117,6 @@ class Resumer:
         trigger: cont.Trigger | None = None
         why = ""
         itl = self.metrics.series(self.metrics.inter_token, call.lane.name, attempt.replica.pool)
-        kind = sp.kind
         t = now()
         try:
             async for chunk in raw_chunks(response):
@@ -125,12 +124,7 @@ class Resumer:
                 # Once the client has bytes, a read that is one ordinary token chunk (vLLM sends
                 # one event per token) is relayed without parsing it.
                 out: list[bytes]
-                if (
-                    call.started
-                    and events.empty
-                    and chunk.find(b"\n\n") == len(chunk) - 2
-                    and (token := cont.token_event(chunk, kind)) is not None
-                ):
+                if call.started and events.empty and (token := sp.token_chunk(chunk)) is not None:
                     opens, closes, content = token
                     sp.take_ids(chunk, opens, closes, content)
                     out = [chunk[:opens] + b"null" + chunk[closes + 1 :] if strip else chunk]
@@ -175,6 +169,8 @@ class Resumer:
                                 raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
                             trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
                             break
+                        if sp.head is None:
+                            sp.learn_template(ev, obj)
                         usage = obj.get("usage")
                         if isinstance(usage, dict):
                             call.usage = usage
