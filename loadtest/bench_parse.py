@@ -5,7 +5,9 @@ several repeats in µs per event for a vLLM chat chunk carrying token ids (what 
 asks for): decoding it with ``json.loads`` against ``sse.decode_json`` (msgspec), nulling its ids
 with the regular expression the relay used before against ``continuation.strip_ids``, and the
 whole per-event path of ``proxy/relay/resume.py`` (split, parse, note the ids, strip, look for
-content) with each decoder. A plain stream pays none of this after its first content.
+content) with each decoder, and an ordinary token chunk relayed unparsed against the stream's
+learned template (what every token chunk after the first pays now). A plain stream pays none of
+this after its first content.
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def per_event_path(
     return per_call_us(one, target_s)
 
 
+def per_token_chunk(target_s: float) -> float:
+    """µs per event of the unparsed path: an ordinary token chunk of the stream's learned
+    template (``Splice.token_chunk``, ``take_ids``, the ids nulled by slicing)."""
+    splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
+    splice.learn_template(CHUNK, json.loads(CHUNK[6:]))
+    events = sse.EventBuffer()
+    data = CHUNK + b"\n\n"
+
+    def one() -> None:
+        token = splice.token_chunk(data) if events.empty else None
+        assert token is not None
+        opens, closes, text = token
+        splice.take_ids(data, opens, closes, text)
+        data[:opens] + b"null" + data[closes + 1 :]
+        del splice.ids[:]
+
+    return per_call_us(one, target_s)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target-s", type=float, default=0.1, help="seconds per timed batch")
@@ -69,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
             "per event, before (json, regex)",
             per_event_path(_old_parse, lambda ev: _OLD_IDS.sub(rb"\1null", ev), t),
         ),
-        ("per event, now (msgspec, find)", per_event_path(sse.parse_event, cont.strip_ids, t)),
+        ("per event, parsed (msgspec, find)", per_event_path(sse.parse_event, cont.strip_ids, t)),
+        ("per event, a token chunk unparsed (template)", per_token_chunk(t)),
     ]
     width = max(len(name) for name, _ in rows)
     print(f"{'what':<{width}}  µs/event (median)")
