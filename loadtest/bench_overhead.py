@@ -438,23 +438,36 @@ def run_burst(seconds: float, repeat: int, tracing: bool = False) -> list[dict[s
 
 
 def run_paced(
-    repeat: int, streams: int = 256, continuation: bool = False, tracing: bool = False
-) -> dict[str, Any]:
-    with fleet(50, continuation, tracing) as (ports, gw_port, pid):
-        direct = [asyncio.run(paced_run(ports[0], streams, None)) for _ in range(repeat)]
-        through = [asyncio.run(paced_run(gw_port, streams, pid)) for _ in range(repeat)]
-    d, g = median_of(direct), median_of(through)
-    return {
-        "mode": "paced",
-        "continuation": continuation,
-        "tracing": tracing,
-        "streams": streams,
-        "direct": d,
-        "gateway": g,
-        "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
-        "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
-        "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"],
-    }
+    repeat: int, runs: list[tuple[bool, bool]], streams: int = 256
+) -> list[dict[str, Any]]:
+    """Paced runs of each (continuation, tracing) configuration. Every configuration's
+    gateway (over its own two mocks) is up at once and their runs are interleaved, one of
+    each in turn, so a drift in the machine's load falls on all of them alike."""
+    with contextlib.ExitStack() as stack:
+        fleets = [stack.enter_context(fleet(50, c, t)) for c, t in runs]
+        direct = [asyncio.run(paced_run(fleets[0][0][0], streams, None)) for _ in range(repeat)]
+        through: list[list[dict[str, float]]] = [[] for _ in runs]
+        for _ in range(repeat):
+            for i, (_, gw_port, pid) in enumerate(fleets):
+                through[i].append(asyncio.run(paced_run(gw_port, streams, pid)))
+    d = median_of(direct)
+    out = []
+    for (continuation, tracing), runs_of in zip(runs, through, strict=True):
+        g = median_of(runs_of)
+        out.append(
+            {
+                "mode": "paced",
+                "continuation": continuation,
+                "tracing": tracing,
+                "streams": streams,
+                "direct": d,
+                "gateway": g,
+                "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
+                "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
+                "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"],
+            }
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         switches = {"off": [False], "on": [True], "both": [False, True]}[args.continuation]
         runs = [(on, False) for on in switches] if False in tracings else []
         runs += [(False, True)] if True in tracings else []
-        paced = [run_paced(args.repeat, continuation=c, tracing=t) for c, t in runs]
+        paced = run_paced(args.repeat, runs)
         out["paced"] = paced
         for p in paced:
             d, g = p["direct"], p["gateway"]

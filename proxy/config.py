@@ -408,11 +408,10 @@ class RetryConfig(_Strict):
 class ContinuationConfig(_Strict):
     """Finishing a stream on another replica, token-exact, when its replica fails mid-answer."""
 
-    # Off by default: parsing every event of an eligible stream (to keep its token ids) costs
-    # ~30-45 µs per chunk on the 2-core machine, against the ~10 % the relay's budget allows
-    # (docs/benchmarks.md, "Stall and rescue"). On once that cost is brought down.
+    # On by default: an eligible stream's token chunks are read without parsing them, +8-10 %
+    # CPU per relayed chunk (docs/benchmarks.md, "What continuation and tracing cost").
     enabled: bool = key(
-        False,
+        True,
         "Forward eligible streams with `return_token_ids` and continue them on another "
         "replica after a reset, early close, 5xx error event, abort or stall.",
     )

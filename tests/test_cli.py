@@ -52,9 +52,9 @@ def test_explain_prints_profile_lane_reasons_and_candidates(tmp_path: Path) -> N
     out = json.loads(result.stdout)
     text = json.dumps(out)
     assert "short" in text and "fast-0" in text
-    # Off unless the policy turns it on (the example policy does not).
-    assert out["continuation"]["eligible"] is False
-    assert out["continuation"]["refusal"] == "disabled"
+    # On unless the policy turns it off (the example policy does not).
+    assert out["continuation"]["eligible"] is True
+    assert out["continuation"]["refusal"] is None
     long_request = tmp_path / "long.json"
     long_request.write_text(json.dumps({"messages": [{"role": "user", "content": "x " * 9000}]}))
     result = tokenlane("explain", "--config", "config/policy.example.yaml", str(long_request))

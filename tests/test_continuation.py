@@ -399,8 +399,11 @@ async def test_a_stream_never_continuable_is_counted_by_why_when_its_replica_fai
     assert _count(app, "tokenlane_continuation_refusals_total", lane="all", reason=reason) == 1
 
 
-def test_continuation_is_off_unless_the_policy_turns_it_on() -> None:
-    assert explain(ContinuationConfig(), True, "chat", BASE)["refusal"] == "disabled"
+def test_continuation_is_on_unless_the_policy_turns_it_off() -> None:
+    assert explain(ContinuationConfig(), True, "chat", BASE)["eligible"] is True
+    off = ContinuationConfig(enabled=False)
+    assert explain(off, True, "chat", BASE)["refusal"] == "disabled"
+    assert explain(ContinuationConfig(), False, "chat", BASE)["refusal"] == "disabled"  # lane
 
 
 def test_every_refusal_has_words() -> None:

@@ -385,8 +385,9 @@ def test_exposed_names_are_sample_names_not_family_names(gateway_scrape: str) ->
     assert "tokenlane_ttft_seconds" not in names
     # A family declared but not observed in this traffic is known by its samples' names.
     declared = declared_names(gateway_scrape)
-    assert "tokenlane_continuation_gap_seconds_bucket" in declared
-    assert "tokenlane_continuation_gap_seconds" not in declared
+    # (the scrape's policy has no cache_aware pool, so no prefix-match series)
+    assert "tokenlane_prefix_match_tokens_bucket" in declared
+    assert "tokenlane_prefix_match_tokens" not in declared
 
 
 def test_unknown_names_flags_a_dashboard_metric_that_exists_nowhere(

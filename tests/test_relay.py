@@ -159,8 +159,13 @@ async def test_first_token_timeout_retries_before_anything_was_sent() -> None:
 
 
 async def test_a_stream_cut_after_content_is_ended_with_an_error_event_not_retried() -> None:
+    """The plain relay (continuation off): tests/test_continuation.py has the cut continued."""
     async with running(tokens=20) as cut, running(tokens=20) as other:
-        policy = policy_for({"p": [cut.url, other.url]}, health={"interval_s": 60})
+        policy = policy_for(
+            {"p": [cut.url, other.url]},
+            health={"interval_s": 60},
+            continuation={"enabled": False},
+        )
         async with running_gateway(policy) as (url, _):
             cut.cut_after = 3
             async with httpx.AsyncClient(timeout=10) as client:
