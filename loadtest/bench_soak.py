@@ -16,14 +16,17 @@ the fault's time) and a SIGKILL of the second instance (restarted after 10 s). W
 instance is down its clients use the first, as a load balancer's health check would; the
 streams it held when killed fail, and are counted under that fault.
 
+The rotation also black-holes Redis (SIGSTOP, then SIGCONT after the fault's time:
+RELIABILITY T16) and SIGKILLs one worker of the second instance, which runs with
+``--workers 2`` (its supervisor starts another; the streams that worker held are cut).
+
 It prints one row per minute (the fault, requests ended, failures by kind, streams continued,
 texts that differ, the demo gateway's RSS and open file descriptors) and the totals against
 the targets: no lost or repeated token, no hang, no failure the design can avoid, RSS growth
 under 1 MB a minute after the warm-up minute. Requests count under the minute they ended in
 (a fault at a minute's start cuts streams begun in the minute before). A SIGKILLed instance's
 own streams are cut with it (no gateway can finish a stream whose connection died): its clients
-are the ones counted mid-stream in that minute. Not exercised: a worker SIGKILL (the gateway
-has no workers).
+are the ones counted mid-stream in that minute, as are a killed worker's.
 
 Length: one benchmark: the fault rotation, the checked streams and the per-minute table of one run.
 """
@@ -36,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,7 +77,13 @@ ROTATION: list[tuple[str, dict[str, Any]]] = [
     ("reload", {}),
 ]
 # Added with --redis.
-SHARED_ROTATION: list[tuple[str, dict[str, Any]]] = [("redis_kill", {}), ("instance_kill", {})]
+SHARED_ROTATION: list[tuple[str, dict[str, Any]]] = [
+    ("redis_kill", {}),
+    ("instance_kill", {}),
+    ("redis_pause", {}),  # RELIABILITY T16: Redis black-holed (SIGSTOP), then back (SIGCONT)
+    ("worker_kill", {}),  # one worker of the second instance (`serve --workers 2`) SIGKILLed
+]
+SECOND_WORKERS = 2
 INSTANCE_DOWN_S = 10.0
 # How a request ended, as the client saw it.
 OK, DIFFERS, BEFORE_FIRST, MID_STREAM, HANG = (
@@ -251,8 +261,18 @@ class Redis:
             self.proc.kill()
             self.proc.wait()
 
+    def pause(self) -> None:
+        """Black-holed: connections are accepted by the kernel and never answered."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()
             stop_process(self.proc)
 
 
@@ -261,7 +281,7 @@ class Instance:
 
     def __init__(self, policy: Path, port: int, log: Path) -> None:
         self.argv = [sys.executable, "-m", "proxy", "serve", "--config", str(policy)]
-        self.argv += ["--port", str(port)]
+        self.argv += ["--port", str(port), "--workers", str(SECOND_WORKERS)]
         self.base, self.log = f"http://127.0.0.1:{port}", log
         self.proc: subprocess.Popen[bytes] | None = None
         self.up = False
@@ -276,6 +296,20 @@ class Instance:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+
+    def kill_worker(self) -> int | None:
+        """SIGKILL one worker process (its supervisor starts another); its pid."""
+        if self.proc is None:
+            return None
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return None
+        pids = [int(c) for c in children.split()]
+        if not pids:
+            return None
+        os.kill(pids[0], signal.SIGKILL)
+        return pids[0]
 
     def stop(self) -> None:
         self.up = False
@@ -371,6 +405,14 @@ async def run(args: argparse.Namespace) -> int:
                     target, note = "gw-2", ""
                     second.kill()
                     restarts.append(_later(INSTANCE_DOWN_S, second.start))
+                elif name == "redis_pause" and redis is not None:
+                    target, note = "redis", ""
+                    redis.pause()
+                    restarts.append(_later(args.fault_s, redis.resume))
+                elif name == "worker_kill" and second is not None:
+                    target = "gw-2"
+                    pid = second.kill_worker()
+                    note = f"worker pid {pid}" if pid else "no worker found"
                 else:
                     target = names[(m - 1) % len(names)]
                     note = await inject(urls[(m - 1) % len(urls)], body, args.fault_s)
