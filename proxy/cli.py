@@ -37,6 +37,11 @@ def _worker(args: argparse.Namespace) -> int:
 
     from proxy.edge.serve import serve_worker
     from proxy.workers.link import WorkerPlace
+    from proxy.workers.supervisor import end_with_supervisor
+
+    if not end_with_supervisor(args.supervisor):
+        print("tokenlane worker: its supervisor is gone", file=sys.stderr)
+        return 1
 
     overrides = {"server.host": args.host, "server.workers": 1}
     place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
@@ -218,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rundir", required=True)
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--supervisor", type=int, required=True, help="the supervisor's pid")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("check", help="validate a policy file")

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -360,6 +361,34 @@ async def test_sigterm_drains_every_worker_then_the_serve_exits(tmp_path: Path) 
                 code = await asyncio.to_thread(serve.proc.wait, 60)
                 assert code == 0
                 assert _leftover(serve) == []
+
+
+async def test_a_sigkilled_supervisor_takes_its_workers_with_it(tmp_path: Path) -> None:
+    """Orphaned workers would go on serving the port with nobody to restart them or to carry
+    their log lines: they drain and end with their supervisor, and the port is free again."""
+    async with running(tokens=20, interval_s=0.05) as up:  # ~1 s streams
+        policy = policy_for({"p": [up.url]}, server={"shutdown_grace_s": 30})
+        async with serve_workers(policy, tmp_path) as serve:
+            pids = serve.worker_pids()
+            assert len(pids) == 2
+            async with httpx.AsyncClient(timeout=60) as client:
+                stream = asyncio.create_task(
+                    client.post(serve.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+                )
+                await wait_until(lambda: up.stats.streaming == 1, what="a stream under way")
+                os.kill(serve.proc.pid, signal.SIGKILL)
+                # The stream under way is drained, not cut.
+                r = await stream
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+            def gone() -> bool:
+                return not _leftover(serve)
+
+            await wait_until(gone, what="the workers ended", timeout=60)
+            port = int(serve.url.rsplit(":", 1)[1])
+            with socket.socket() as sock:  # a new serve could take the port
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
 
 
 async def test_workers_with_redis_share_with_another_instance(tmp_path: Path) -> None:

@@ -105,6 +105,31 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_supervisor(supervisor: int) -> bool:
+    """Have this worker sent SIGTERM (a drain, as on a shutdown) when its supervisor dies, even
+    by SIGKILL: an orphaned worker would go on serving the port with nobody to restart it or
+    carry its log lines, and a new ``serve`` could not take the port. On Linux that is the
+    parent-death signal; elsewhere a thread watches the parent. False when the supervisor is
+    already gone (it died before the signal was asked for)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    else:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == supervisor:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="tokenlane-supervisor-watch", daemon=True).start()
+    return os.getppid() == supervisor
+
+
 def run_dir() -> str:
     """Under /dev/shm when there is one: the board is memory, never written to a disk."""
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -144,6 +169,7 @@ class Supervisor:
             sys.executable, "-m", "proxy", "worker", *self.worker_args,
             "--fd", str(self.sock.fileno()), "--rundir", self.rundir,
             "--index", str(index), "--workers", str(self.count),
+            "--supervisor", str(os.getpid()),
         ]  # fmt: skip
 
     def start(self, worker: Worker) -> None:
