@@ -25,8 +25,9 @@ texts that differ, the demo gateway's RSS and open file descriptors) and the tot
 the targets: no lost or repeated token, no hang, no failure the design can avoid, RSS growth
 under 1 MB a minute after the warm-up minute. Requests count under the minute they ended in
 (a fault at a minute's start cuts streams begun in the minute before). A SIGKILLed instance's
-own streams are cut with it (no gateway can finish a stream whose connection died): its clients
-are the ones counted mid-stream in that minute, as are a killed worker's.
+workers drain the streams they hold (they end with their supervisor, as on a SIGTERM); a
+SIGKILLed worker's own streams are cut with it (no gateway can finish a stream whose
+connection died): its clients are the ones counted mid-stream in that minute.
 
 Length: one benchmark: the fault rotation, the checked streams and the per-minute table of one run.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -42,6 +43,9 @@ def _worker(args: argparse.Namespace) -> int:
     if not end_with_supervisor(args.supervisor):
         print("tokenlane worker: its supervisor is gone", file=sys.stderr)
         return 1
+    # Its stdout is the supervisor's pipe: a worker draining after its supervisor died has
+    # nowhere to write its access lines, and logging would print a traceback for each.
+    logging.raiseExceptions = False
 
     overrides = {"server.host": args.host, "server.workers": 1}
     place = WorkerPlace(rundir=args.rundir, index=args.index, count=args.workers)
