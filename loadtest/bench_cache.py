@@ -21,9 +21,9 @@ Configurations: Tokenlane ``round_robin``, ``least_loaded``, ``prefix_affinity``
 simulated replica publishes as vLLM with ``--kv-events-config`` does; the prompt's token ids
 from a replica's render route) and ``cache_aware+2workers`` (``--workers 2``); vllm-router
 (PyPI, installed by ``loadtest/peers.py`` into its own virtualenv) ``cache_aware`` and
-``round_robin``, or a line saying why not. The replicas run once per
-workload; every run salts its prompts so that no run hits what an earlier one cached (a stale
-block is evictable, so it costs the next run nothing). Hit rate comes from the replicas' own
+``round_robin``, or a line saying why not. The replicas start afresh for every run, from an
+empty cache, and every configuration of a repetition gets the same prompts, so the
+configurations differ in nothing but their routing. Hit rate comes from the replicas' own
 ``vllm:prefix_cache_hits_total / queries_total``, deltas over the run.
 
     python -m loadtest.bench_cache [--quick] [--workloads shared_prefix,...] [--reps 2]
@@ -601,27 +601,25 @@ def main(argv: list[str] | None = None) -> int:
                     w.rate,
                 )
             results[wl] = {}
-            with replicas(tmp) as ports:
-                if wl == "shared_prefix":
+            if wl == "shared_prefix":
+                with replicas(tmp) as ports:
                     cost = asyncio.run(render_cost(ports[0], w))
-                    print(f"render cost (precise mode), one replica idle: {json.dumps(cost)}")
-                runs: dict[str, list[dict[str, Any]]] = {}
-                for rep in range(reps):
-                    for kind, balance in configs:
-                        name = f"{kind} {balance}"
-                        if kind == "vllm-router" and peer_problem:
-                            results[wl][name] = {"skipped": peer_problem}
-                            continue
-                        # Same length for every run, so block boundaries fall alike.
-                        salt = hashlib.blake2b(
-                            f"{wl}-{rep}-{kind}-{balance}".encode(), digest_size=4
-                        ).hexdigest()
-                        # The same prompts (seed) for every configuration of a repetition.
+                print(f"render cost (precise mode), one replica idle: {json.dumps(cost)}")
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for rep in range(reps):
+                # The same prompts (salt and seed) for every configuration of a repetition.
+                salt = hashlib.blake2b(f"{wl}-{rep}".encode(), digest_size=4).hexdigest()
+                for kind, balance in configs:
+                    name = f"{kind} {balance}"
+                    if kind == "vllm-router" and peer_problem:
+                        results[wl][name] = {"skipped": peer_problem}
+                        continue
+                    with replicas(tmp) as ports:  # started afresh: every run from an empty cache
                         row = run_one(kind, balance, ports, w, salt, 1000 + rep, tmp)
-                        runs.setdefault(name, []).append(row)
-                        print(f"{wl} rep {rep} {name}: {json.dumps(row)}", file=sys.stderr)
-                for name, rows in runs.items():
-                    results[wl][name] = mean_rows(rows)
+                    runs.setdefault(name, []).append(row)
+                    print(f"{wl} rep {rep} {name}: {json.dumps(row)}", file=sys.stderr)
+            for name, rows in runs.items():
+                results[wl][name] = mean_rows(rows)
     return report(results, reps, args, "4 simulator processes over HTTP")
 
 
