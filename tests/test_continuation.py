@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.fake_upstream import MODEL, running
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 from proxy.config import ContinuationConfig
@@ -408,3 +409,36 @@ def test_continuation_is_on_unless_the_policy_turns_it_off() -> None:
 
 def test_every_refusal_has_words() -> None:
     assert set(_REFUSAL_WHY) == set(Refusal)
+
+
+async def test_a_stream_read_in_one_burst_reaches_the_client_whole_without_ids() -> None:
+    """The whole stream in one read (as a fast replica's is): its token chunks go through the
+    unparsed path, the client gets every event with the ids nulled, and the ids are kept."""
+    async with running(tokens=40) as up:
+        async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
+            async with httpx.AsyncClient(timeout=30) as client:
+                body = {"model": MODEL, "messages": MSGS, "stream": True}
+                got = await client.post(url + "/v1/chat/completions", json=body)
+                plain = await client.post(
+                    up.url + "/v1/chat/completions", json=body
+                )  # what a client asking for no ids gets from the replica
+    chats = [b for b in up.stats.bodies if b.get("messages") == MSGS]
+    assert [b.get("return_token_ids") for b in chats] == [True, None]  # asked upstream
+
+    def without_null_ids(events: list[Any]) -> list[Any]:
+        # vLLM writes the keys as null without the flag; the fake leaves them out.
+        out = []
+        for e in events:
+            if isinstance(e, dict):
+                e = {k: v for k, v in e.items() if not (k == "prompt_token_ids" and v is None)}
+                e["choices"] = [
+                    {k: v for k, v in c.items() if not (k == "token_ids" and v is None)}
+                    for c in e["choices"]
+                ]
+            out.append(e)
+        return out
+
+    got_events = data_events(got.text)
+    assert len(got_events) == 43  # role, 40 tokens, finish, [DONE]
+    assert without_null_ids(got_events) == without_null_ids(data_events(plain.text))
+    assert all(c.get("token_ids") is None for e in got_events[:-1] for c in e["choices"])

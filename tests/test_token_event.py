@@ -112,10 +112,15 @@ def test_only_ordinary_token_chunks_go_unparsed(event: bytes, kind: str, taken: 
     assert (found[2], sp.ids) == taken
 
 
-def test_two_events_in_one_read_are_parsed() -> None:
+def test_two_events_in_one_read_are_not_one_token_chunk_but_each_is_one() -> None:
     sp = learned()
     two = chat_chunk("a", [1]) + b"\n\n" + chat_chunk("b", [2]) + b"\n\n"
     assert sp.token_chunk(two) is None
+    for ev in two.split(b"\n\n")[:2]:
+        found = sp.token_event(ev)
+        assert found is not None
+        sp.take_ids(ev, *found)
+    assert sp.ids == [7, 1, 2]
 
 
 @pytest.mark.parametrize(

@@ -386,20 +386,28 @@ class Splice:
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
 
     def token_chunk(self, chunk: bytes) -> tuple[int, int, bool] | None:
-        """(where the ids' list opens, where it closes, whether there is text) when ``chunk``
-        is one ordinary token chunk (one event, ``\\n\\n`` ended) of the learned template."""
+        """``token_event`` of a read that is one whole event, its ``\\n\\n`` included."""
+        if not chunk.endswith(b"\n\n"):
+            return None
+        return self.token_event(chunk, len(chunk) - 2)
+
+    def token_event(self, event: bytes, end: int | None = None) -> tuple[int, int, bool] | None:
+        """(where the ids' list opens, where it closes, whether there is text) when
+        ``event[:end]`` is one ordinary token chunk of the learned template; else None."""
         head = self.head
-        if head is None or not chunk.startswith(head) or not chunk.endswith(b"]}]}\n\n"):
+        if end is None:
+            end = len(event)
+        if head is None or not event.startswith(head) or not event.endswith(b"]}]}", 0, end):
             return None
         h = len(head)
-        t = chunk.rfind(self.tail)
+        t = event.rfind(self.tail, h, end)
         # No quote in the text (escaped, or a second event in the read) and no backslash at
         # its end (the tail's quote would be escaped): else parsed.
-        if t < h or chunk.find(b'"', h, t) >= 0 or (t > h and chunk[t - 1] == 0x5C):
+        if t < h or event.find(b'"', h, t) >= 0 or (t > h and event[t - 1] == 0x5C):
             return None
         opens = t + len(self.tail) - 1
-        closes = len(chunk) - 6
-        ids = chunk[opens + 1 : closes]
+        closes = end - 4
+        ids = event[opens + 1 : closes]
         if not ids.isdigit() and not plain_ids(ids):  # one id: the common case
             return None
         return opens, closes, t > h

@@ -121,10 +121,10 @@ class Resumer:
         try:
             async for chunk in raw_chunks(response):
                 attempt.last_progress = time.monotonic()
-                # Once the client has bytes, a read that is one ordinary token chunk (vLLM sends
-                # one event per token) is relayed without parsing it.
+                # An ordinary token chunk is relayed without parsing it: a read that is one
+                # (vLLM sends one event per token) skips the event split too.
                 out: list[bytes]
-                if call.started and events.empty and (token := sp.token_chunk(chunk)) is not None:
+                if events.empty and (token := sp.token_chunk(chunk)) is not None:
                     opens, closes, content = token
                     sp.take_ids(chunk, opens, closes, content)
                     out = [chunk[:opens] + b"null" + chunk[closes + 1 :] if strip else chunk]
@@ -132,6 +132,14 @@ class Resumer:
                     out = []
                     content = False
                     for ev in events.feed(chunk):
+                        if (token := sp.token_event(ev)) is not None:  # several in one read
+                            opens, closes, text = token
+                            sp.take_ids(ev, opens, closes, text)
+                            if strip:
+                                ev = ev[:opens] + b"null" + ev[closes + 1 :]
+                            out.append(ev + b"\n\n")
+                            content = content or text
+                            continue
                         obj = sse.parse_event(ev)
                         if obj is sse.DONE:
                             ended = True
