@@ -442,3 +442,37 @@ async def test_a_stream_read_in_one_burst_reaches_the_client_whole_without_ids()
     assert len(got_events) == 43  # role, 40 tokens, finish, [DONE]
     assert without_null_ids(got_events) == without_null_ids(data_events(plain.text))
     assert all(c.get("token_ids") is None for e in got_events[:-1] for c in e["choices"])
+
+
+async def test_a_continuation_waits_for_a_replica_on_its_canary() -> None:
+    """No replica can take the stream now, but one is on its canary (as when an ejection held
+    back by the cap has the ejected ones probed at once): the continuation waits for it, with
+    keep-alives, within the start timeout, instead of giving the stream up."""
+    async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"enabled": True, "keepalive_s": 0.2, "start_timeout_s": 60},
+        )
+        async with running_gateway(policy) as (url, _):
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {**BASE, "max_tokens": 40, "temperature": 0}
+                ref = await _chat(client, url, body)
+                r = await client.post(url + "/admin/replicas/eject", json={"url": b.url})
+                assert r.status_code == 200, r.text
+                # b comes back through a canary that cannot answer while its engine is frozen.
+                await b.set_fault({"fault": "stall"})
+                r = await client.post(url + "/admin/replicas/readmit", json={"url": b.url})
+                assert r.status_code == 200, r.text
+                await a.set_fault({"fault": "cut_close", "after_tokens": 10})
+                raw = b""
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as s:
+                    async for part in s.aiter_raw():
+                        raw += part
+                        if b": keep-alive" in raw and b.engine.stalled:
+                            await b.set_fault(None)  # the canary answers; b is back
+    got = data_events(raw.decode())
+    assert b": keep-alive" in raw  # it waited
+    assert _text(got) == _text(ref) and got[-1] == "[DONE]"
+    assert not any("error" in e for e in got if isinstance(e, dict))
+    assert _continuations(b)

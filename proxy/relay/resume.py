@@ -30,7 +30,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamReadTimeout,
 )
-from proxy.fleet.fleet import Fleet, Replica
+from proxy.fleet.fleet import Fleet, Replica, ReplicaState
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from proxy.config import LaneConfig, Policy
 
 now = time.perf_counter
+PROBE_POLL_S = 0.05  # how often a continuation with no target looks again while one probes
 
 
 class Resumer:
@@ -341,21 +342,38 @@ class Resumer:
         next_keepalive = loop.time() + cfg.keepalive_s
         while True:
             target = self.pick(call)
-            if target is None:
-                return None, None, cont.Refusal.NO_TARGET
-            slot = self.reprefills.try_take(
-                target.name, cfg.max_in_flight, cfg.max_in_flight_per_replica
-            )
-            if slot is not None:
-                return target, slot, None
             left = until - loop.time()
-            if left <= 0:
-                return None, None, cont.Refusal.BUSY
-            await self.reprefills.freed(min(left, next_keepalive - loop.time()))
+            if target is None:
+                # A replica on its canary may be back in a moment (as when an ejection held
+                # back by the cap has the ejected ones probed at once): wait for it, within
+                # the start timeout, rather than give the stream up.
+                if left <= 0 or not self._probing(call):
+                    return None, None, cont.Refusal.NO_TARGET
+                await asyncio.sleep(min(left, PROBE_POLL_S, next_keepalive - loop.time()))
+            else:
+                slot = self.reprefills.try_take(
+                    target.name, cfg.max_in_flight, cfg.max_in_flight_per_replica
+                )
+                if slot is not None:
+                    return target, slot, None
+                if left <= 0:
+                    return None, None, cont.Refusal.BUSY
+                await self.reprefills.freed(min(left, next_keepalive - loop.time()))
             if loop.time() >= next_keepalive:
                 await send({"type": "http.response.body", "body": cont.KEEPALIVE,
                             "more_body": True})  # fmt: skip
                 next_keepalive = loop.time() + cfg.keepalive_s
+
+    def _probing(self, call: Call) -> bool:
+        """Whether a replica of the lane's pools is on its canary: probing, its ``/health``
+        answering (a dead one probes for ever, and is not worth the wait)."""
+        lane = call.lane
+        return any(
+            r.state is ReplicaState.PROBING and r.health_ok and r.serves(call.model)
+            for name in (lane.pool, lane.spill_to)
+            if name is not None and name in self.fleet.pools
+            for r in self.fleet.pools[name].replicas
+        )
 
     async def _run_continuation(
         self,
