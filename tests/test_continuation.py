@@ -476,3 +476,35 @@ async def test_a_continuation_waits_for_a_replica_on_its_canary() -> None:
     assert _text(got) == _text(ref) and got[-1] == "[DONE]"
     assert not any("error" in e for e in got if isinstance(e, dict))
     assert _continuations(b)
+
+
+def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None:
+    from types import SimpleNamespace
+
+    from proxy.fleet.fleet import ReplicaState
+    from proxy.relay.resume import Resumer
+
+    class Rep:  # hashable by identity, as the fleet's replicas are
+        def __init__(self, url: str, state: ReplicaState, health_ok: bool) -> None:
+            self.url, self.state, self.health_ok = url, state, health_ok
+
+        def serves(self, model: str | None) -> bool:
+            return True
+
+    def replica(url: str, state: ReplicaState, health_ok: bool = True) -> Any:
+        return Rep(url, state, health_ok)
+
+    a, b = replica("a", ReplicaState.PROBING), replica("b", ReplicaState.HEALTHY)
+    dead = replica("d", ReplicaState.PROBING, health_ok=False)
+    pools = {"p": SimpleNamespace(replicas=[a, b, dead])}
+    lane = SimpleNamespace(pool="p", spill_to=None)
+
+    def probing(tried: set[Any], pinned: str | None = None) -> bool:
+        call = SimpleNamespace(lane=lane, model="m", tried=tried, pinned=pinned)
+        return Resumer._probing(SimpleNamespace(fleet=SimpleNamespace(pools=pools)), call)  # type: ignore[arg-type]
+
+    assert probing(set())  # a is on its canary
+    assert not probing({a})  # but the stream already failed there: the pick never takes it
+    assert not probing(set(), pinned="b")  # pinned elsewhere
+    pools["p"].replicas = [dead]
+    assert not probing(set())  # a dead replica probes for ever: not worth the wait

@@ -98,6 +98,9 @@ def both_ways(ev: bytes, kind: str) -> tuple[Any, Any]:
         (chat_chunk("x", [1]).replace(b"[1]", b"[1,,2]"), "chat", None),
         (chat_chunk("x", [1]).replace(b"[1]", b"[1,]"), "chat", None),
         (chat_chunk("x", [1]).replace(b"[1]", b'["a"]'), "chat", None),
+        (chat_chunk("x", [1]).replace(b"[1]", b"[007]"), "chat", None),  # not JSON
+        (chat_chunk("x", [1]).replace(b"[1]", b"[" + b"9" * 5000 + b"]"), "chat", None),
+        (chat_chunk("x", [1]).replace(b"[1]", b"[1," + b"9" * 5000 + b"]"), "chat", None),
         (chat_chunk("x", [1]).replace(b'"created":1', b'"created":2'), "chat", None),
     ],
 )

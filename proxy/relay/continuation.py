@@ -222,11 +222,15 @@ _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason",
 _NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
+def plain_id(one: bytes) -> bool:
+    """One token id as JSON writes it: digits, no leading zero, of a sane length (a hostile
+    upstream's 5,000-digit "id" is parsed, and refused there, not read)."""
+    return one.isdigit() and len(one) <= 18 and (one[0] != 0x30 or len(one) == 1)
+
+
 def plain_ids(ids: bytes) -> bool:
-    """Whether the bytes inside a ``token_ids`` list are integers and commas, as vLLM writes."""
-    return not ids or not (
-        ids.translate(None, b"0123456789,") or b",," in ids or ids[0] == 0x2C or ids[-1] == 0x2C
-    )
+    """Whether the bytes inside a ``token_ids`` list are ids and commas, as vLLM writes."""
+    return not ids or all(plain_id(one) for one in ids.split(b","))
 
 
 def strip_ids(event: bytes) -> bytes:
@@ -408,7 +412,7 @@ class Splice:
         opens = t + len(self.tail) - 1
         closes = end - 4
         ids = event[opens + 1 : closes]
-        if not ids.isdigit() and not plain_ids(ids):  # one id: the common case
+        if not plain_id(ids) and not plain_ids(ids):  # one id: the common case
             return None
         return opens, closes, t > h
 
@@ -416,7 +420,7 @@ class Splice:
         """Note an ordinary token chunk found by ``token_chunk``: what ``observe`` would note
         of it, without parsing it."""
         raw = event[opens + 1 : closes]
-        if raw.isdigit():  # one id: the common case
+        if plain_id(raw):  # one id: the common case
             self.ids.append(int(raw))
         elif raw:
             self.ids.extend(map(int, raw.split(b",")))

@@ -369,7 +369,11 @@ class Resumer:
         answering (a dead one probes for ever, and is not worth the wait)."""
         lane = call.lane
         return any(
-            r.state is ReplicaState.PROBING and r.health_ok and r.serves(call.model)
+            r.state is ReplicaState.PROBING
+            and r.health_ok
+            and r.serves(call.model)
+            and r not in call.tried  # the pick never takes those
+            and (call.pinned is None or r.url == call.pinned)
             for name in (lane.pool, lane.spill_to)
             if name is not None and name in self.fleet.pools
             for r in self.fleet.pools[name].replicas
