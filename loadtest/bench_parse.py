@@ -58,7 +58,7 @@ def per_event_path(
 
 def per_token_chunk(target_s: float) -> float:
     """µs per event of the unparsed path: an ordinary token chunk of the stream's learned
-    template (``Splice.token_chunk``, ``take_ids``, the ids nulled by slicing)."""
+    template (``Splice.token_chunk``, then ``take_token``: its ids noted, then nulled)."""
     splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
     splice.learn_template(CHUNK, json.loads(CHUNK[6:]))
     events = sse.EventBuffer()
@@ -67,9 +67,7 @@ def per_token_chunk(target_s: float) -> float:
     def one() -> None:
         token = splice.token_chunk(data) if events.empty else None
         assert token is not None
-        opens, closes, text = token
-        splice.take_ids(data, opens, closes, text)
-        data[:opens] + b"null" + data[closes + 1 :]
+        splice.take_token(data, token, True)
         del splice.ids[:]
 
     return per_call_us(one, target_s)

@@ -482,7 +482,7 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
     from types import SimpleNamespace
 
     from proxy.fleet.fleet import ReplicaState
-    from proxy.relay.resume import Resumer
+    from proxy.routing.pick import Picker
 
     class Rep:  # hashable by identity, as the fleet's replicas are
         def __init__(self, url: str, state: ReplicaState, health_ok: bool) -> None:
@@ -501,7 +501,7 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
 
     def probing(tried: set[Any], pinned: str | None = None) -> bool:
         call = SimpleNamespace(lane=lane, model="m", tried=tried, pinned=pinned)
-        return Resumer._probing(SimpleNamespace(fleet=SimpleNamespace(pools=pools)), call)  # type: ignore[arg-type]
+        return Picker.probing(SimpleNamespace(fleet=SimpleNamespace(pools=pools)), call)  # type: ignore[arg-type]
 
     assert probing(set())  # a is on its canary
     assert not probing({a})  # but the stream already failed there: the pick never takes it

@@ -318,10 +318,8 @@ def test_capped_ejection_happens_once_there_is_room() -> None:
 
 
 def test_a_held_back_ejection_probes_the_ejected_once_per_episode() -> None:
-    fleet, clock, _m = make({"max_ejected_percent": 50})
-    r0, r1, r2 = fleet.replicas()
-    for r in (r0, r1, r2):
-        admit(fleet, r, clock)
+    fleet, clock, _m, _ = all_healthy({"max_ejected_percent": 50})
+    r0, r1, _r2 = fleet.replicas()
     fail(fleet, r0)
     level = r0.backoff_level
     fail(fleet, r1)
@@ -337,10 +335,8 @@ def test_a_held_back_ejection_probes_the_ejected_once_per_episode() -> None:
 
 
 def test_an_operator_ejection_is_not_probed_early() -> None:
-    fleet, clock, _m = make({"max_ejected_percent": 50})
-    r0, r1, r2 = fleet.replicas()
-    for r in (r0, r1, r2):
-        admit(fleet, r, clock)
+    fleet, _clock, _m, _ = all_healthy({"max_ejected_percent": 50})
+    r0, r1, _r2 = fleet.replicas()
     fleet.operator_eject(r0)
     fail(fleet, r1)
     assert r1.capped is not None and (r0.state, r0.reason) == (E, EjectReason.OPERATOR)

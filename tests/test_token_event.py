@@ -1,5 +1,5 @@
 """The continuation relay's unparsed path (``Splice.learn_template``, ``token_chunk`` and
-``take_ids``): an ordinary token chunk read without parsing it must note exactly what parsing
+``take_token``): an ordinary token chunk read without parsing it must note exactly what parsing
 it would, and be relayed exactly as ``strip_ids`` would write it; anything else is left to
 the parser."""
 
@@ -66,8 +66,7 @@ def both_ways(ev: bytes, kind: str) -> tuple[Any, Any]:
     parsed.observe(json.loads(ev[6:]))
     found = fast.token_chunk(ev + b"\n\n")
     assert found is not None, ev
-    fast.take_ids(ev + b"\n\n", *found)
-    out = ev[: found[0]] + b"null" + ev[found[1] + 1 :]
+    out = fast.take_token(ev + b"\n\n", found, True)[:-2]  # what goes to the client
     return (note(parsed), strip_ids(ev)), (note(fast), out)
 
 
@@ -111,7 +110,7 @@ def test_only_ordinary_token_chunks_go_unparsed(event: bytes, kind: str, taken: 
         assert found is None
         return
     assert found is not None
-    sp.take_ids(event + b"\n\n", *found)
+    sp.take_token(event + b"\n\n", found, False)
     assert (found[2], sp.ids) == taken
 
 
@@ -122,7 +121,7 @@ def test_two_events_in_one_read_are_not_one_token_chunk_but_each_is_one() -> Non
     for ev in two.split(b"\n\n")[:2]:
         found = sp.token_event(ev)
         assert found is not None
-        sp.take_ids(ev, *found)
+        sp.take_token(ev, found, False)
     assert sp.ids == [7, 1, 2]
 
 

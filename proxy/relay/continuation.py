@@ -401,7 +401,7 @@ class Splice:
         head = self.head
         if end is None:
             end = len(event)
-        if head is None or not event.startswith(head) or not event.endswith(b"]}]}", 0, end):
+        if head is None or not event.startswith(head) or not event.endswith(_TOKEN_END, 0, end):
             return None
         h = len(head)
         t = event.rfind(self.tail, h, end)
@@ -416,17 +416,20 @@ class Splice:
             return None
         return opens, closes, t > h
 
-    def take_ids(self, event: bytes, opens: int, closes: int, text: bool) -> None:
-        """Note an ordinary token chunk found by ``token_chunk``: what ``observe`` would note
-        of it, without parsing it."""
-        raw = event[opens + 1 : closes]
-        if plain_id(raw):  # one id: the common case
-            self.ids.append(int(raw))
-        elif raw:
+    def take_token(self, event: bytes, token: tuple[int, int, bool], strip: bool) -> bytes:
+        """Note an ordinary token chunk found by ``token_chunk`` or ``token_event`` (what
+        ``observe`` would note of it, without parsing it); the event as it goes to the client,
+        its ids nulled when ``strip``."""
+        opens, closes, text = token
+        raw = event[opens + 1 : closes]  # ids already checked by token_event
+        if b"," in raw:
             self.ids.extend(map(int, raw.split(b",")))
+        elif raw:
+            self.ids.append(int(raw))
         if text:
             self.reasoning_open = False
             self.text_ids = len(self.ids)
+        return event[:opens] + b"null" + event[closes + 1 :] if strip else event
 
     # -- the seam --------------------------------------------------------------------------
 

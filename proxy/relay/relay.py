@@ -154,6 +154,7 @@ class Relay:
             policy=policy,
             transport=self.transport,
             pick=self.try_pick,
+            probing=self.picker.probing,
             timeout=self._timeout,
             response_start=self.responder.response_start,
             send_start=self.responder.send_start,

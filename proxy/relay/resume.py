@@ -30,7 +30,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamReadTimeout,
 )
-from proxy.fleet.fleet import Fleet, Replica, ReplicaState
+from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
@@ -62,6 +62,7 @@ class Resumer:
         policy: Callable[[], Policy],
         transport: httpx.AsyncBaseTransport,
         pick: Callable[[Call], Replica | None],
+        probing: Callable[[Call], bool],
         timeout: Callable[[LaneConfig, bool], dict[str, float | None]],
         response_start: Callable[[Call, httpx.Response, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
@@ -74,6 +75,7 @@ class Resumer:
         self.policy = policy
         self.transport = transport
         self.pick = pick  # the relay's choice of a replica for a request (``Relay.try_pick``)
+        self.probing = probing  # whether one it could choose is on its canary (``Picker``)
         self.timeout = timeout
         self.response_start = response_start
         self.send_start = send_start
@@ -126,20 +128,15 @@ class Resumer:
                 # (vLLM sends one event per token) skips the event split too.
                 out: list[bytes]
                 if events.empty and (token := sp.token_chunk(chunk)) is not None:
-                    opens, closes, content = token
-                    sp.take_ids(chunk, opens, closes, content)
-                    out = [chunk[:opens] + b"null" + chunk[closes + 1 :] if strip else chunk]
+                    content = token[2]
+                    out = [sp.take_token(chunk, token, strip)]
                 else:
                     out = []
                     content = False
                     for ev in events.feed(chunk):
                         if (token := sp.token_event(ev)) is not None:  # several in one read
-                            opens, closes, text = token
-                            sp.take_ids(ev, opens, closes, text)
-                            if strip:
-                                ev = ev[:opens] + b"null" + ev[closes + 1 :]
-                            out.append(ev + b"\n\n")
-                            content = content or text
+                            out.append(sp.take_token(ev, token, strip) + b"\n\n")
+                            content = content or token[2]
                             continue
                         obj = sse.parse_event(ev)
                         if obj is sse.DONE:
@@ -347,7 +344,7 @@ class Resumer:
                 # A replica on its canary may be back in a moment (as when an ejection held
                 # back by the cap has the ejected ones probed at once): wait for it, within
                 # the start timeout, rather than give the stream up.
-                if left <= 0 or not self._probing(call):
+                if left <= 0 or not self.probing(call):
                     return None, None, cont.Refusal.NO_TARGET
                 await asyncio.sleep(min(left, PROBE_POLL_S, next_keepalive - loop.time()))
             else:
@@ -363,21 +360,6 @@ class Resumer:
                 await send({"type": "http.response.body", "body": cont.KEEPALIVE,
                             "more_body": True})  # fmt: skip
                 next_keepalive = loop.time() + cfg.keepalive_s
-
-    def _probing(self, call: Call) -> bool:
-        """Whether a replica of the lane's pools is on its canary: probing, its ``/health``
-        answering (a dead one probes for ever, and is not worth the wait)."""
-        lane = call.lane
-        return any(
-            r.state is ReplicaState.PROBING
-            and r.health_ok
-            and r.serves(call.model)
-            and r not in call.tried  # the pick never takes those
-            and (call.pinned is None or r.url == call.pinned)
-            for name in (lane.pool, lane.spill_to)
-            if name is not None and name in self.fleet.pools
-            for r in self.fleet.pools[name].replicas
-        )
 
     async def _run_continuation(
         self,

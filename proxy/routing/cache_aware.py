@@ -361,10 +361,11 @@ def export_gauges(fleet: Fleet, metrics: Metrics) -> None:
     and bytes, which also grow by placements made in other workers and instances, and the
     replicas' own prefix-cache counters, which move after the last pick."""
     m = metrics
+    by_pool = routers(fleet)
     for name, pool in fleet.pools.items():
         if pool.config.balance != "cache_aware":
             continue
-        router = routers(fleet).get(name)
+        router = by_pool.get(name)
         indexes = router.indexes if router is not None else {}
         for replica in pool.replicas:
             sample = replica.stats.sample

@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from proxy.fleet.fleet import Fleet, Pool, Replica
+from proxy.fleet.fleet import Fleet, Pool, Replica, ReplicaState
 from proxy.observe.metrics import Metrics
 from proxy.relay.call import Call
 from proxy.routing import balance, cache_aware
@@ -117,6 +117,23 @@ class Picker:
         pools = fleet.pools
         return any(
             pools[p].candidates(call.model) for p in (lane.pool, lane.spill_to) if p in pools
+        )
+
+    def probing(self, call: Call) -> bool:
+        """Whether a replica this call could be given (its lane's pools, not tried, the pinned
+        one if pinned) is on its canary: probing with its ``/health`` answering (a dead one
+        probes for ever, and is not worth waiting for)."""
+        lane = call.lane
+        pools = self.fleet.pools
+        return any(
+            r.state is ReplicaState.PROBING
+            and r.health_ok
+            and r.serves(call.model)
+            and r not in call.tried
+            and (call.pinned is None or r.url == call.pinned)
+            for p in (lane.pool, lane.spill_to)
+            if p in pools
+            for r in pools[p].replicas
         )
 
     def pinned_candidate(self, call: Call) -> Replica | None:
