@@ -392,7 +392,9 @@ class RetryConfig(_Strict):
     )
     on_5xx_after_send: bool = key(
         False,
-        "Also retry 500/502/504, or a reset, received after the request was sent (at most once).",
+        "Also retry 500/502/504, or a reset, received after the request was sent (at most "
+        "once). Without it, only a suspect replica's 500/502/504 is replayed "
+        "(docs/reliability.md).",
     )
     # From the start of the first attempt (the queue has its own timeout): no attempt starts
     # after it, and a stream's first-token watchdog fires at it at the latest.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from typing import Any
 
 import httpx
@@ -478,6 +479,35 @@ async def test_a_continuation_waits_for_a_replica_on_its_canary() -> None:
     assert _continuations(b)
 
 
+async def test_a_continuation_with_no_target_probes_an_ejected_replica_back_at_once() -> None:
+    """The only other replica was ejected for failing and its fault has lifted (its /health
+    answers), but its ejection would last a minute: a stream cut now has it probed at once,
+    waits for its canary and is continued there, instead of ending with no_target."""
+    async with run_sim(SETTINGS, name="a") as a, run_sim(SETTINGS, name="b") as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            health={"eject_base_s": 60, "unhealthy_threshold": 1},
+            continuation={"enabled": True, "keepalive_s": 0.2, "start_timeout_s": 60},
+        )
+        async with running_gateway(policy) as (url, app):
+            r_b = app.gateway.fleet.find(b.url)[0]
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {**BASE, "max_tokens": 40, "temperature": 0}
+                ref = await _chat(client, url, body)
+                await b.set_fault({"fault": "health_fail"})
+                await wait_until(lambda: r_b.state.value == "ejected", what="b ejected")
+                await b.set_fault(None)
+                await wait_until(lambda: r_b.health_ok, what="b's /health answers again")
+                assert r_b.state.value == "ejected"  # and would be for a minute
+                await a.set_fault({"fault": "cut_close", "after_tokens": 10})
+                got = await _chat(client, url, body)
+    assert _text(got) == _text(ref) and got[-1] == "[DONE]"
+    assert not any("error" in e for e in got if isinstance(e, dict))
+    assert _continuations(b)
+    assert r_b.state.value == "healthy"
+
+
 def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None:
     from types import SimpleNamespace
 
@@ -501,7 +531,9 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
 
     def probing(tried: set[Any], pinned: str | None = None) -> bool:
         call = SimpleNamespace(lane=lane, model="m", tried=tried, pinned=pinned)
-        return Picker.probing(SimpleNamespace(fleet=SimpleNamespace(pools=pools)), call)  # type: ignore[arg-type]
+        fleet: Any = SimpleNamespace(pools=pools)
+        picker = Picker(fleet, None, None, lambda: None, random.Random())  # type: ignore[arg-type]
+        return picker.probing(call)  # type: ignore[arg-type]
 
     assert probing(set())  # a is on its canary
     assert not probing({a})  # but the stream already failed there: the pick never takes it

@@ -59,3 +59,44 @@ def test_in_outage(flags: list[bool], outage: bool) -> None:
 )
 def test_budget_counts_pending_retries(pending: int, requests: int, ratio: float, left: bool):
     assert budget_left(pending, requests, ratio) is left
+
+
+F, T = False, True
+
+
+@pytest.mark.parametrize(
+    ("health_ok", "recent", "suspect"),
+    [
+        (True, [], False),  # a fresh replica: no evidence
+        (True, [T], False),  # one 5xx proves nothing
+        (True, [T, T], True),  # two of two
+        (True, [F, T], True),  # half
+        (True, [F, F, F, T], True),  # a quarter: the bar
+        (True, [F, F, F, F, T], False),  # a fifth
+        (True, [F] * 19 + [T], False),  # one in twenty: an ordinary replica's stray 5xx
+        (False, [], True),  # its own /health fails: suspect whatever it served
+        (False, [F] * 20, True),
+    ],
+)
+def test_suspect(health_ok: bool, recent: list[bool], suspect: bool) -> None:
+    assert detect.suspect(health_ok, recent) is suspect
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("for_failure", "until", "health_ok", "probed", "probe"),
+    [
+        (True, 40.0, True, False, True),  # ejected for failing, /health back: probe now
+        (True, 40.0, False, False, False),  # /health still failing: its canary would fail
+        (True, 40.0, True, True, False),  # probed early once already: wait the ejection out
+        (False, 40.0, True, False, False),  # an operator's ejection: only the operator lifts it
+        (True, INF, True, False, False),  # until readmitted
+        (True, 10.0, True, False, False),  # its ejection is over anyway (the tick moves it)
+    ],
+)
+def test_probe_when_no_target(
+    for_failure: bool, until: float, health_ok: bool, probed: bool, probe: bool
+) -> None:
+    assert detect.probe_when_no_target(for_failure, until, 20.0, health_ok, probed) is probe

@@ -608,6 +608,60 @@ def test_a_replica_failing_what_its_peers_serve_is_ejected() -> None:
     assert (r0.state, r0.reason) == (E, EjectReason.CONSECUTIVE_FAILURES)
 
 
+def test_a_lone_replica_whose_5xx_were_served_elsewhere_is_ejected() -> None:
+    # One replica, no peer evidence: its 5xx alone never eject it (above). Five 5xx in a row
+    # that the same requests' replays got served elsewhere are its own fault: out it goes.
+    fleet, clock, _ = make({"consecutive_failures": 5}, urls=URLS[:1])
+    (r,) = fleet.replicas()
+    admit(fleet, r, clock)
+    for _ in range(4):
+        fleet.note_5xx(r, confirmed=True)
+    assert r.state is H and r.failures_in_row == 4
+    fleet.attempt_started(r)
+    fleet.attempt_finished(r, None)  # a success between breaks the run
+    for _ in range(4):
+        fleet.note_5xx(r, confirmed=True)
+    assert r.state is H
+    fleet.note_5xx(r, confirmed=True)
+    assert (r.state, r.reason) == (E, EjectReason.CONSECUTIVE_FAILURES)
+
+
+def test_unconfirmed_5xx_on_a_lone_replica_eject_nothing() -> None:
+    fleet, clock, _ = make({"consecutive_failures": 5}, urls=URLS[:1])
+    (r,) = fleet.replicas()
+    admit(fleet, r, clock)
+    for _ in range(50):  # their replays were not served (or never ran): no proof
+        fleet.note_5xx(r)
+    assert r.state is H and r.failures_in_row == 0
+
+
+def test_a_request_with_no_target_probes_an_ejected_replica_once_until_it_is_back() -> None:
+    fleet, clock, _, r = all_healthy({"eject_base_s": 60, "max_ejected_percent": 100})
+    fail(fleet, r)
+    assert r.state is E and r.ejected_until > clock.t + 30
+    fleet.observe_health(r, False, clock.t)
+    assert not fleet.probe_for_request(r, "no target")  # /health fails: left alone
+    fleet.observe_health(r, True, clock.t)
+    assert fleet.probe_for_request(r, "no target")
+    assert r.state is P
+    fleet.canary_result(r, False, clock.t, "still broken")  # out again, for longer
+    assert r.state is E and r.ejected_until > clock.t + 60
+    assert not fleet.probe_for_request(r, "no target")  # it waits this ejection out
+    clock.t = r.ejected_until
+    fleet.tick(r, clock.t)
+    admit(fleet, r, clock)
+    assert r.state is H
+    fail(fleet, r)  # a new episode: one early probe again
+    assert fleet.probe_for_request(r, "no target") and r.state is P
+
+
+def test_an_operators_ejection_is_not_probed_for_a_request() -> None:
+    fleet, clock, _, r = all_healthy()
+    fleet.operator_eject(r)
+    fleet.observe_health(r, True, clock.t)
+    assert not fleet.probe_for_request(r, "no target") and r.state is E
+
+
 def test_an_uncounted_outcome_only_frees_the_slot() -> None:
     fleet, _clock, _, r = all_healthy({"consecutive_failures": 3})
     for peer in list(fleet.replicas())[1:]:

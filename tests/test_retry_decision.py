@@ -55,7 +55,11 @@ AFTER = {
     F.STATUS_5XX: K.UPSTREAM_5XX,
     F.ERROR_EVENT: K.UPSTREAM_5XX,
 }
+# A suspect replica (detect.suspect) has its 5xx status replayed without the opt-in; a reset
+# is not (the replica may have died of the request itself): only STATUS_5XX changes.
+BEFORE_SUSPECT = {F.STATUS_5XX: BEFORE_OPTED_IN[F.STATUS_5XX]}
 OPT_IN = {"off": (False, False), "on": (True, False), "on, used": (True, True)}
+SUSPECT = {"ordinary": False, "suspect": True}
 
 
 def test_the_tables_cover_every_fault_and_phase() -> None:
@@ -63,32 +67,34 @@ def test_the_tables_cover_every_fault_and_phase() -> None:
     assert set(Phase) == {Phase.SENDING, Phase.HELD, Phase.STARTED, Phase.CONTENT}
 
 
-def expected(fault: Fault, phase: Phase, opt_in: bool, used: bool) -> Verdict:
+def expected(fault: Fault, phase: Phase, opt_in: bool, used: bool, suspect: bool) -> Verdict:
     if phase >= Phase.STARTED:
         return Verdict(END, AFTER[fault], BEFORE[fault][2])
-    if opt_in and not used and fault in BEFORE_OPTED_IN:
-        action, failure, reason, overloaded = BEFORE_OPTED_IN[fault]
+    replays = BEFORE_OPTED_IN if opt_in else BEFORE_SUSPECT if suspect else {}
+    if not used and fault in replays:
+        action, failure, reason, overloaded = replays[fault]
         return Verdict(action, failure, reason, overloaded, spends_after_send=True)
     action, failure, reason, overloaded = BEFORE[fault]
     return Verdict(action, failure, reason, overloaded)
 
 
 @pytest.mark.parametrize(
-    ("fault", "phase", "opt_in"),
-    list(itertools.product(Fault, Phase, OPT_IN)),
+    ("fault", "phase", "opt_in", "suspect"),
+    list(itertools.product(Fault, Phase, OPT_IN, SUSPECT)),
     ids=lambda v: str(getattr(v, "name", v)),
 )
-def test_every_fault_in_every_phase(fault: Fault, phase: Phase, opt_in: str) -> None:
+def test_every_fault_in_every_phase(fault: Fault, phase: Phase, opt_in: str, suspect: str) -> None:
     on, used = OPT_IN[opt_in]
-    got = judge(fault, phase, on_5xx_after_send=on, after_send_used=used)
-    assert got == expected(fault, phase, on, used)
+    sus = SUSPECT[suspect]
+    got = judge(fault, phase, on_5xx_after_send=on, after_send_used=used, suspect=sus)
+    assert got == expected(fault, phase, on, used, sus)
 
 
 def test_after_the_start_nothing_is_retried_whatever_the_opt_in() -> None:
-    for fault, phase, (on, used) in itertools.product(
-        Fault, (Phase.STARTED, Phase.CONTENT), OPT_IN.values()
+    for fault, phase, (on, used), sus in itertools.product(
+        Fault, (Phase.STARTED, Phase.CONTENT), OPT_IN.values(), SUSPECT.values()
     ):
-        v = judge(fault, phase, on_5xx_after_send=on, after_send_used=used)
+        v = judge(fault, phase, on_5xx_after_send=on, after_send_used=used, suspect=sus)
         assert v.action is END and not v.spends_after_send
 
 

@@ -26,6 +26,14 @@ Decisions documented here (the policy keys in docs/policy.md leave them open):
   sprayed over the pool raises every replica's rate alike; one replica that really fails stands
   out. The relay also drops from the count a 5xx that the same request got on another replica
   too (the request is the common factor, ``poisoned``).
+- **A suspect replica's 5xx is replayed.** Replaying a 500 elsewhere is opt-in
+  (``retry.on_5xx_after_send``): it doubles the cost of every poison body. A replica with
+  evidence of its own against it is different (``suspect``): its ``/health`` failed at the last
+  check, or a quarter of its recent answers were 5xx. Its 500 is replayed once on another
+  replica, and the replay is the verdict: a 5xx there too, the request is poison (nobody's
+  count); a good answer there, the 5xx was the replica's own and counts toward
+  ``consecutive_failures`` like a reset, with no need for peer evidence. A poison body never
+  gets a good answer elsewhere, so it cannot eject a replica this way, even a pool's only one.
 - **Outage.** When every replica of a pool is out or failing (a held-back ejection while its
   ``/health`` also fails), the cap is not keeping capacity, only a dead replica in the route:
   the pool has no candidates (``in_outage``) and requests get admission's fast 503.
@@ -36,12 +44,18 @@ Decisions documented here (the policy keys in docs/policy.md leave them open):
   cap first holds a failing replica back, the pool's replicas ejected for failures are probed
   at once instead of at the end of their ejection (``probe_early``): a replica whose fault
   lifted comes back through its canary, and the failing one can then be ejected in its place.
+- **No target, no wait for the end of an ejection.** When a request's retry or a stream's
+  continuation finds no replica, the lane's replicas ejected for failures whose ``/health``
+  answers again are probed at once (``probe_when_no_target``), once until it is back in
+  service: one whose fault lifted is back after one canary. A replica whose ``/health`` fails
+  is left alone, and one whose canary fails waits its next ejections out, so the backoff still
+  spaces an always-failing replica's canaries.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -49,6 +63,8 @@ SILENT_IN_ROW = 3  # silent attempts in a row that eject even when the counters 
 SLOW_START_FLOOR = 0.1  # a replica in slow start never weighs less than this
 FIVEXX_WINDOW = 20  # recent attempts per replica kept for the 5xx outlier comparison
 PEER_5XX_RATE_MAX = 0.5  # peers failing more than this: the requests, not the replica, fail
+SUSPECT_5XX_RATE = 0.25  # a replica whose recent answers were this much 5xx: replay its 5xx
+SUSPECT_MIN_SEEN = 2  # ... over at least this many answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +188,18 @@ def fivexx_outlier(in_row: int, threshold: int, peer_5xx: int, peer_total: int) 
     return peer_5xx / peer_total <= PEER_5XX_RATE_MAX
 
 
+def suspect(health_ok: bool, recent_5xx: Sequence[bool]) -> bool:
+    """Is a 5xx from this replica more likely its own fault than the request's? Its own
+    ``/health`` failed at the last check, or at least ``SUSPECT_5XX_RATE`` of its recent
+    answers (``SUSPECT_MIN_SEEN`` of them at least) were 5xx. Its 5xx is then replayed once
+    elsewhere. The bar can be low: a poison body that makes a replica suspect costs one more
+    answer per request, and its replay clears the replica (``poisoned``)."""
+    if not health_ok:
+        return True
+    seen = len(recent_5xx)
+    return seen >= SUSPECT_MIN_SEEN and sum(recent_5xx) >= SUSPECT_5XX_RATE * seen
+
+
 def poisoned(fivexx_on_other_replica: bool, status: int) -> bool:
     """A 5xx (``status``) on a request that already got a 5xx on another replica: the
     request is the common factor, so neither answer counts against its replica."""
@@ -223,6 +251,17 @@ def probe_early(out_for_failure: bool, ejected_until: float, now: float) -> bool
     lasts until readmitted) with time left: one canary, and if it passes the failing peer can
     go in its place; if it fails the replica is out again, for longer."""
     return out_for_failure and now < ejected_until < math.inf
+
+
+def probe_when_no_target(
+    out_for_failure: bool, ejected_until: float, now: float, health_ok: bool, probed: bool
+) -> bool:
+    """Should an ejected replica be tried again now because a request found no replica to go
+    to? Only a failure-based ejection with time left (``probe_early``), whose ``/health``
+    answers again (a dead one would fail its canary), and once until it is back in service
+    (``probed``): a replica whose fault goes on is out again after one canary, for longer, and
+    then waits its ejections out."""
+    return health_ok and not probed and probe_early(out_for_failure, ejected_until, now)
 
 
 def slow_start_weight(healthy_for_s: float, slow_start_s: float) -> float:

@@ -252,13 +252,22 @@ class Fleet:
         if detect.silent_failure_ejects(replica.silent_in_row, agree):
             self._fail(replica, reason, self.clock())
 
-    def note_5xx(self, replica: Replica) -> None:
+    def note_5xx(self, replica: Replica, *, confirmed: bool = False) -> None:
         """A 5xx that is the replica's own (the relay may report one late: when a request's
-        5xx was replayed elsewhere, it is counted once the replay got a usable answer)."""
+        5xx was replayed elsewhere, it is counted once the replay's answer is in).
+
+        ``confirmed``: the replay was served fine elsewhere, so the 5xx was this replica's
+        fault with no need for peer evidence: it counts toward ``consecutive_failures`` like a
+        reset (detect's "suspect replica" rule). A lone replica can be shed this way too."""
         replica.recent_5xx.append(True)
         replica.fivexx_in_row += 1
         if replica.state is not ReplicaState.HEALTHY:
             return
+        if confirmed:
+            replica.failures_in_row += 1
+            if replica.failures_in_row >= self.health.consecutive_failures:
+                self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+                return
         peer_5xx = peer_total = 0
         pool = self.pools.get(replica.pool)
         for peer in pool.replicas if pool is not None else ():
@@ -404,6 +413,24 @@ class Fleet:
             self._uncap(replica)  # held back only while healthy: out of service, it is moot
             self._move(replica, state, reason, now, detail, shared=False)
 
+    def probe_for_request(self, replica: Replica, why: str) -> bool:
+        """A request found no replica to go to: try ``replica`` (ejected) again now rather than
+        at the end of its ejection, if ``detect.probe_when_no_target`` says so. Returns whether
+        it is now probing (its canary goes out at its next health round)."""
+        now = self.clock()
+        if replica.state is not ReplicaState.EJECTED or not detect.probe_when_no_target(
+            replica.reason is not EjectReason.OPERATOR,
+            replica.ejected_until,
+            now,
+            replica.health_ok,
+            replica.probed_for_request,
+        ):
+            return False
+        replica.probed_for_request = True
+        replica.ejected_until = 0.0
+        self._move(replica, ReplicaState.PROBING, replica.reason, now, f"probed early: {why}")
+        return True
+
     # -- transitions -----------------------------------------------------------------------
 
     def _fail(self, replica: Replica, reason: EjectReason, now: float) -> None:
@@ -467,6 +494,7 @@ class Fleet:
         replica.silent_in_row = 0
         replica.health_fails_in_row = 0
         replica.ejected_until = 0.0
+        replica.probed_for_request = False
         replica.progress = Progress()  # a stall before the ejection says nothing about now
         replica.healthy_since = now
         replica.level_since = now

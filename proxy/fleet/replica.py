@@ -100,6 +100,9 @@ class Replica:
     healthy_since: float | None = None
     weight: float = 1.0  # slow start share, 0.1..1
     capped: EjectReason | None = None  # an ejection the max_ejected_percent cap holds back
+    # Probed before its ejection was over because a request had no replica to go to: once until
+    # it is back in service (detect.probe_when_no_target).
+    probed_for_request: bool = False
     since: float = 0.0  # when the current state began (fleet clock)
     changed_at: float | None = None  # the same, as Unix time: for people and other processes
 

@@ -82,6 +82,9 @@ DROP_UPSTREAM = HOP_BY_HOP | {
     b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
 }  # fmt: skip
 
+# How often a retry with no target looks again while a replica it could take is on its canary.
+CANARY_POLL_S = 0.05
+
 # Statuses the retry rules look at before anything is relayed.
 _STATUS_FAULTS = {
     429: Fault.BUSY_429,
@@ -154,7 +157,7 @@ class Relay:
             policy=policy,
             transport=self.transport,
             pick=self.try_pick,
-            probing=self.picker.probing,
+            canary_coming=self.picker.canary_coming,
             timeout=self._timeout,
             response_start=self.responder.response_start,
             send_start=self.responder.send_start,
@@ -264,6 +267,8 @@ class Relay:
                     break
                 nxt = self.try_pick(call)
                 if nxt is None:
+                    nxt = await self._wait_for_canary(call, deadline)
+                if nxt is None:
                     break
                 replica = nxt
                 call.retries += 1
@@ -287,6 +292,23 @@ class Relay:
             deferred = self._deferred_5xx.pop(call, None)
             if deferred is not None:  # its replay never ran: the 5xx was that replica's
                 self.fleet.note_5xx(deferred)
+
+    async def _wait_for_canary(self, call: Call, deadline: float) -> Replica | None:
+        """A retry with no replica to go to: the ejected it could take that answer ``/health``
+        again are probed at once (``Picker.canary_coming``), and the retry waits for one to pass
+        its canary, for at most the lane's ``first_token_timeout_s`` and within the request's
+        deadline. The client has nothing yet; a wait of a health round beats a failure."""
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + call.lane.first_token_timeout_s)
+        while self.picker.canary_coming(call):
+            left = until - loop.time()
+            if left <= 0:
+                return None
+            await asyncio.sleep(min(left, CANARY_POLL_S))
+            nxt = self.try_pick(call)
+            if nxt is not None:
+                return nxt
+        return None
 
     @property
     def retries_pending(self) -> int:
@@ -419,19 +441,24 @@ class Relay:
             poison = detect.poisoned(replayed_5xx_of is not None, status)
             self.fleet.attempt_finished(replica, failure, counted=counted and not poison)
             if replayed_5xx_of is not None and not poison:
-                # The replay got something other than a 5xx: the first one was its replica's.
-                self.fleet.note_5xx(replayed_5xx_of)
+                # The replay got something other than a 5xx: the first one was its replica's,
+                # and a good answer here proves it (detect.suspect's rule).
+                served = failure is None and 200 <= status < 300
+                self.fleet.note_5xx(replayed_5xx_of, confirmed=served)
             self.admission.released(replica)
             if response is not None:
                 with contextlib.suppress(Exception):
                     await response.aclose()
 
     def _judge(self, call: Call, attempt: Attempt, fault: Fault) -> Verdict:
+        replica = attempt.replica
         return judge(
             fault,
             attempt.phase,
             on_5xx_after_send=self.policy().retry.on_5xx_after_send,
             after_send_used=call.retried_after_send,
+            suspect=fault is Fault.STATUS_5XX
+            and detect.suspect(replica.health_ok, replica.recent_5xx),
         )
 
     async def _settle(

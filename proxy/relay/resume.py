@@ -62,7 +62,7 @@ class Resumer:
         policy: Callable[[], Policy],
         transport: httpx.AsyncBaseTransport,
         pick: Callable[[Call], Replica | None],
-        probing: Callable[[Call], bool],
+        canary_coming: Callable[[Call], bool],
         timeout: Callable[[LaneConfig, bool], dict[str, float | None]],
         response_start: Callable[[Call, httpx.Response, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
@@ -75,7 +75,9 @@ class Resumer:
         self.policy = policy
         self.transport = transport
         self.pick = pick  # the relay's choice of a replica for a request (``Relay.try_pick``)
-        self.probing = probing  # whether one it could choose is on its canary (``Picker``)
+        # For a call with no target: probes the ejected it could take, then says whether one is
+        # on its canary (``Picker.canary_coming``).
+        self.canary_coming = canary_coming
         self.timeout = timeout
         self.response_start = response_start
         self.send_start = send_start
@@ -341,10 +343,11 @@ class Resumer:
             target = self.pick(call)
             left = until - loop.time()
             if target is None:
-                # A replica on its canary may be back in a moment (as when an ejection held
-                # back by the cap has the ejected ones probed at once): wait for it, within
-                # the start timeout, rather than give the stream up.
-                if left <= 0 or not self.probing(call):
+                # A replica on its canary may be back in a moment (one ejected for failures
+                # but answering /health again is probed at once for it, as are the ejected
+                # when the cap holds a failing replica back): wait for it, within the start
+                # timeout, rather than give the stream up.
+                if left <= 0 or not self.canary_coming(call):
                     return None, None, cont.Refusal.NO_TARGET
                 await asyncio.sleep(min(left, PROBE_POLL_S, next_keepalive - loop.time()))
             else:

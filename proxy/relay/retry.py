@@ -77,12 +77,23 @@ REASON: dict[Fault, RetryReason] = {
 }
 # Faults after which the replica may have spent GPU work on the request: retried only with
 # ``retry.on_5xx_after_send``, at most once per request. Otherwise a reset fails the request
-# and a 5xx status is relayed as the replica's answer.
+# and a 5xx status is relayed as the replica's answer. One exception: a 5xx status from a
+# suspect replica (``detect.suspect``: its own /health fails, or many of its answers were 5xx)
+# is replayed once by default. A reset is not: the replica may have died of this very request,
+# and a replay would take a second one down with it.
 _AFTER_SEND = frozenset({Fault.CLOSED, Fault.STATUS_5XX})
 
 
-def judge(fault: Fault, phase: Phase, *, on_5xx_after_send: bool, after_send_used: bool) -> Verdict:
-    """What ``fault``, met in ``phase``, means for the attempt and the request."""
+def judge(
+    fault: Fault,
+    phase: Phase,
+    *,
+    on_5xx_after_send: bool,
+    after_send_used: bool,
+    suspect: bool = False,
+) -> Verdict:
+    """What ``fault``, met in ``phase``, means for the attempt and the request (``suspect``:
+    the attempt's replica has evidence of its own against it)."""
     failure = FAILURE[fault]
     reason = REASON[fault]
     if phase >= Phase.STARTED:
@@ -93,7 +104,8 @@ def judge(fault: Fault, phase: Phase, *, on_5xx_after_send: bool, after_send_use
         # may fire a hair before loop.time() reaches it, so the loop's own check can miss).
         return Verdict(Action.FAIL, failure, reason)
     if fault in _AFTER_SEND:
-        if on_5xx_after_send and not after_send_used:
+        replay = on_5xx_after_send or (suspect and fault is Fault.STATUS_5XX)
+        if replay and not after_send_used:
             return Verdict(Action.RETRY, failure, reason, spends_after_send=True)
         if fault is Fault.STATUS_5XX:
             # Told to the fleet by the relayed answer's status, once it is relayed.

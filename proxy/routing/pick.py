@@ -7,7 +7,7 @@ A pinned request (a stored response's continuation) has its one replica or none.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.fleet.fleet import Fleet, Pool, Replica, ReplicaState
@@ -123,18 +123,35 @@ class Picker:
         """Whether a replica this call could be given (its lane's pools, not tried, the pinned
         one if pinned) is on its canary: probing with its ``/health`` answering (a dead one
         probes for ever, and is not worth waiting for)."""
+        return any(r.state is ReplicaState.PROBING and r.health_ok for r in self._could_take(call))
+
+    def canary_coming(self, call: Call) -> bool:
+        """For a call that found no replica: have the fleet probe at once the replicas it could
+        be given that are ejected for failures but answer ``/health`` again
+        (``Fleet.probe_for_request``), rather than leave it nowhere to go until their ejection
+        ends. Then: is one of them on its canary (``probing``), so worth a short wait?"""
+        fleet = self.fleet
+        why = f"request {call.request_id} found no replica"
+        for r in self._could_take(call):
+            if r.state is ReplicaState.EJECTED:
+                fleet.probe_for_request(r, why)
+        return self.probing(call)
+
+    def _could_take(self, call: Call) -> Iterator[Replica]:
+        """The replicas of the call's lane's pools that its pick could ever give it: serving
+        its model, not tried yet, the pinned one if pinned; in any state."""
         lane = call.lane
         pools = self.fleet.pools
-        return any(
-            r.state is ReplicaState.PROBING
-            and r.health_ok
-            and r.serves(call.model)
-            and r not in call.tried
-            and (call.pinned is None or r.url == call.pinned)
-            for p in (lane.pool, lane.spill_to)
-            if p in pools
-            for r in pools[p].replicas
-        )
+        for p in (lane.pool, lane.spill_to):
+            if p not in pools:
+                continue
+            for r in pools[p].replicas:
+                if (
+                    r.serves(call.model)
+                    and r not in call.tried
+                    and (call.pinned is None or r.url == call.pinned)
+                ):
+                    yield r
 
     def pinned_candidate(self, call: Call) -> Replica | None:
         """The replica ``call`` is pinned to, while it is one its pool would pick from."""
