@@ -19,7 +19,10 @@ the shape of inference-perf's ``shared_prefix`` (groups x prompts, system and qu
 Configurations: Tokenlane ``round_robin``, ``least_loaded``, ``prefix_affinity`` (defaults),
 ``cache_aware``, ``cache_aware+precise`` (routed on the replicas' KV cache events, which every
 simulated replica publishes as vLLM with ``--kv-events-config`` does; the prompt's token ids
-from a replica's render route) and ``cache_aware+2workers`` (``--workers 2``); vllm-router
+from a replica's render route), ``cache_aware+2workers`` (``--workers 2``) and
+``cache_aware+2instances`` (two ``tokenlane serve`` sharing a Redis of their own, requests
+alternating between them; before the load it measures how long a placement made by one instance
+takes to reach the other's index); vllm-router
 (PyPI, installed by ``loadtest/peers.py`` into its own virtualenv) ``cache_aware`` and
 ``round_robin``, or a line saying why not. The replicas start afresh for every run, from an
 empty cache, and every configuration of a repetition gets the same prompts, so the
@@ -54,7 +57,7 @@ import aiohttp
 import yaml
 
 from loadtest import peers
-from loadtest.procs import free_port, process, wait_http
+from loadtest.procs import free_port, process, wait_http, wait_port
 from loadtest.prompts import words
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -87,6 +90,7 @@ CONFIGS = [
     ("tokenlane", "cache_aware"),
     ("tokenlane", "cache_aware+precise"),
     ("tokenlane", "cache_aware+2workers"),
+    ("tokenlane", "cache_aware+2instances"),
     ("vllm-router", "cache_aware"),
     ("vllm-router", "round_robin"),
 ]
@@ -186,22 +190,100 @@ async def render_cost(port: int, w: Workload, n: int = 200) -> dict[str, float]:
         "render_p50_ms": times[len(times) // 2] * 1000,
         "render_p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1000,
         "prompt_tokens": float(w.system_tokens + w.question_tokens),
+        **local_tokenize_cost(w, n),
     }
 
 
-async def drive(url: str, w: Workload, reqs: list[list[dict[str, str]]], seed: int) -> tuple:
+def local_tokenize_cost(w: Workload, n: int = 200) -> dict[str, float]:
+    """The other source of token ids the issue names, ``estimate.tokenizer_file``: the same
+    prompts encoded in-process by the ``tokenizers`` library (the gateway's TokenCounter does
+    this for counts), with a byte-level BPE trained here on the workload's texts (no model's
+    tokenizer can be downloaded on this machine; a real one's vocabulary is larger, its
+    per-token cost of the same order). Only the encode: a chat would also need the model's
+    chat template. Per request, p50/p99, on this process's core."""
+    from loadtest import hf_tokenizer
+    from proxy.routing.tokens import TokenCounter
+
+    reqs = requests_for(w, "render", 7)[:n]
+    texts = [m["content"] for messages in reqs for m in messages]
+    with tempfile.TemporaryDirectory() as d:
+        counter = TokenCounter(str(hf_tokenizer.build(Path(d), texts) / "tokenizer.json"))
+    encode = counter._tokenizer.encode
+    times, tokens = [], 0
+    for messages in reqs:
+        t0 = time.perf_counter()
+        ids = [i for m in messages for i in encode(m["content"], add_special_tokens=False).ids]
+        times.append(time.perf_counter() - t0)
+        tokens += len(ids)
+    times.sort()
+    return {
+        "local_encode_p50_ms": times[len(times) // 2] * 1000,
+        "local_encode_p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1000,
+        "local_encode_tokens": tokens / len(reqs),
+    }
+
+
+async def drive(urls: list[str], w: Workload, reqs: list[list[dict[str, str]]], seed: int) -> tuple:
+    """The workload's requests, Poisson arrivals, alternating over ``urls`` (gateway
+    instances)."""
     rng = random.Random(seed)
     r = Result()
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         t0 = time.perf_counter()
         tasks = []
-        for messages in reqs:  # Poisson arrivals: exponential gaps at the workload's rate
+        for i, messages in enumerate(reqs):  # exponential gaps at the workload's rate
+            url = urls[i % len(urls)]
             tasks.append(asyncio.create_task(one(http, url, messages, w, r)))
             await asyncio.sleep(rng.expovariate(w.rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     return r, wall
+
+
+async def placement_delay(urls: list[str], n: int = 30) -> dict[str, float]:
+    """How long a ``cache_aware`` placement made through the first instance takes to reach the
+    second's index: from sending a request with a prompt nobody sent before to the first
+    instance, until the second instance's ``tokenlane_prefix_index_blocks`` grows (its
+    ``/metrics`` polled back to back). Idle gateways, one probe at a time; p50/p99/max in ms."""
+    first, second = urls[0], urls[1]
+    delays: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def blocks() -> float:
+            async with http.get(second + "/metrics") as resp:
+                text = await resp.text()
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("tokenlane_prefix_index_blocks{")
+            )
+
+        for i in range(n):
+            before = await blocks()
+            system = f"[placement {i} {time.time_ns()}] " + " ".join(words(256, random.Random(i)))
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+            }  # fmt: skip
+            t0 = time.perf_counter()
+            sent = asyncio.create_task(http.post(first + "/v1/chat/completions", json=body))
+            while await blocks() <= before:
+                if time.perf_counter() - t0 > 10:
+                    raise RuntimeError("a placement did not reach the other instance in 10 s")
+            delays.append(time.perf_counter() - t0)
+            resp = await sent
+            await resp.read()
+            resp.release()
+    delays.sort()
+    return {
+        "placement_p50_ms": delays[len(delays) // 2] * 1000,
+        "placement_p99_ms": delays[min(len(delays) - 1, int(0.99 * len(delays)))] * 1000,
+        "placement_max_ms": delays[-1] * 1000,
+    }
 
 
 def metric_sums(url: str, want: dict[str, str]) -> dict[str, float]:
@@ -238,11 +320,17 @@ KV_EVENTS: dict[int, tuple[str, str]] = {}
 
 @contextlib.contextmanager
 def replicas(tmp: Path) -> Iterator[list[int]]:
-    ports = [free_port() for _ in range(REPLICAS)]
+    # Three ports a replica, all distinct: free_port() may hand out a port twice before any
+    # child binds it, and a replica whose HTTP port went to a peer's ZMQ socket never answers.
+    distinct: set[int] = set()
+    while len(distinct) < 3 * REPLICAS:
+        distinct.add(free_port())
+    pool = sorted(distinct, key=lambda _: random.random())
+    ports = pool[:REPLICAS]
     with contextlib.ExitStack() as stack:
         for i, p in enumerate(ports):
-            events = f"tcp://127.0.0.1:{free_port()}"
-            replay = f"tcp://127.0.0.1:{free_port()}"
+            events = f"tcp://127.0.0.1:{pool[REPLICAS + 2 * i]}"
+            replay = f"tcp://127.0.0.1:{pool[REPLICAS + 2 * i + 1]}"
             KV_EVENTS[p] = (events, replay)
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                       "replay_endpoint": replay}  # fmt: skip
@@ -255,39 +343,53 @@ def replicas(tmp: Path) -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
-def gateway(kind: str, balance: str, ports: list[int], tmp: Path) -> Iterator[str]:
-    port = free_port()
+def gateway(kind: str, balance: str, ports: list[int], tmp: Path) -> Iterator[list[str]]:
+    """The configuration's gateway processes; yields their URLs (two for ``+2instances``)."""
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    if kind == "tokenlane":
-        # "cache_aware+precise": routed on the replicas' KV events; "+2workers": two workers.
-        balance, _, variant = balance.partition("+")
-        reps: list[dict[str, Any]] = [{"url": u, "max_in_flight": 256} for u in urls]
-        if variant == "precise":
-            for rc, p in zip(reps, ports, strict=True):
-                rc["kv_events"], rc["kv_events_replay"] = KV_EVENTS[p]
-        policy = {
-            "server": {"host": "127.0.0.1", "port": port},
-            "pools": {"p": {"balance": balance, "replicas": reps}},
-            "lanes": [{"name": "all", "pool": "p"}],
-        }
-        path = tmp / f"policy-{balance}-{variant}.yaml"
-        path.write_text(yaml.safe_dump(policy))
-        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
-        if variant == "2workers":
-            argv += ["--workers", "2"]
-        ready = f"http://127.0.0.1:{port}/ready"
-    else:
+    if kind != "tokenlane":
+        port = free_port()
         exe = peers.ensure("vllm-router")
         argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", balance]
         argv += ["--worker-urls", *urls, "--prometheus-port", str(free_port())]
         argv += ["--log-level", "warning"]
-        ready = f"http://127.0.0.1:{port}/health"
-    with process(argv, log=tmp / f"{kind}-{balance}.log"):
-        wait_http(ready, timeout_s=60)
-        if kind == "tokenlane":
+        with process(argv, log=tmp / f"{kind}-{balance}.log"):
+            wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
+            yield [f"http://127.0.0.1:{port}"]
+        return
+    # "cache_aware+precise": routed on the replicas' KV events; "+2workers": two workers;
+    # "+2instances": two instances sharing a Redis.
+    balance, _, variant = balance.partition("+")
+    reps: list[dict[str, Any]] = [{"url": u, "max_in_flight": 256} for u in urls]
+    if variant == "precise":
+        for rc, p in zip(reps, ports, strict=True):
+            rc["kv_events"], rc["kv_events_replay"] = KV_EVENTS[p]
+    policy: dict[str, Any] = {
+        "pools": {"p": {"balance": balance, "replicas": reps}},
+        "lanes": [{"name": "all", "pool": "p"}],
+    }
+    with contextlib.ExitStack() as stack:
+        instances = 1
+        if variant == "2instances":
+            instances = 2
+            redis_port = free_port()
+            argv = ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"]
+            stack.enter_context(process(argv, log=tmp / "redis.log"))
+            wait_port(redis_port)
+            policy["redis"] = {"url": f"redis://127.0.0.1:{redis_port}/0"}
+        gateway_ports = [free_port() for _ in range(instances)]
+        for i, port in enumerate(gateway_ports):
+            policy["server"] = {"host": "127.0.0.1", "port": port}
+            path = tmp / f"policy-{balance}-{variant}-{i}.yaml"
+            path.write_text(yaml.safe_dump(policy))
+            argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
+            if variant == "2workers":
+                argv += ["--workers", "2"]
+            stack.enter_context(process(argv, log=tmp / f"{kind}-{balance}-{variant}-{i}.log"))
+        for port in gateway_ports:
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=60)
             # /ready once one replica is healthy: wait for all four to pass their canaries.
             _wait_all_healthy(port)
-        yield f"http://127.0.0.1:{port}"
+        yield [f"http://127.0.0.1:{port}" for port in gateway_ports]
 
 
 def _wait_all_healthy(port: int, timeout_s: float = 60.0) -> None:
@@ -316,11 +418,13 @@ def run_one(
     kind: str, balance: str, ports: list[int], w: Workload, salt: str, seed: int, tmp: Path
 ) -> dict[str, Any]:
     before = [scrape(p) for p in ports]
-    with gateway(kind, balance, ports, tmp) as url:
-        r, wall = asyncio.run(drive(url, w, requests_for(w, salt, seed), seed))
+    with gateway(kind, balance, ports, tmp) as urls:
+        r, wall = asyncio.run(drive(urls, w, requests_for(w, salt, seed), seed))
         # Proof that a precise run saw events: batches applied, replicas on their events now.
-        kv = gateway_kv(url) if kind == "tokenlane" else {"batches": 0.0, "up": 0.0}
-    after = [scrape(p) for p in ports]
+        kv = gateway_kv(urls[0]) if kind == "tokenlane" else {"batches": 0.0, "up": 0.0}
+        after = [scrape(p) for p in ports]
+        # After the load (and its counters): the probes' prompts must not change its cache.
+        shared = asyncio.run(placement_delay(urls)) if len(urls) > 1 else {}
     d = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     hits, queries = sum(x["hits"] for x in d), sum(x["queries"] for x in d)
     per = [int(x["requests"]) for x in d]
@@ -340,6 +444,7 @@ def run_one(
         "errors": r.errors,
         "kv_event_batches": kv["batches"],
         "kv_events_up": kv["up"],
+        **shared,
     }
 
 
@@ -378,6 +483,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 f"{m['ttft_p99_ms']:.0f} / {m['ttft_mean_ms']:.0f} | {m['output_tok_s']:.0f} | "
                 f"{m['per_replica']} ({m['spread']:.2f}) | {m['errors']:.0f} |"
             )
+        for name, m in rows.items():
+            if "placement_p50_ms" in m:
+                lines.append(
+                    f"\n{name}: a placement reached the other instance's index in "
+                    f"{m['placement_p50_ms']:.1f} / {m['placement_p99_ms']:.1f} / "
+                    f"{m['placement_max_ms']:.1f} ms (p50 / p99 / max, idle, from the request's "
+                    "send)"
+                )
     return "\n".join(lines)
 
 
