@@ -124,6 +124,12 @@ class StallReport:
     replayed_tokens: int = 0
     continued_streams_seen: int = 0  # OK streams of the faulted replica that spanned the fault
     gap_s: dict[str, float | None] = field(default_factory=dict)  # p50, p99, max of those
+    # The other replicas' streams: ITL p99 of those that ended before the fault, and of those
+    # that ran during the SURVIVOR_WINDOW_S after it (the re-prefills land then).
+    survivor_itl_p99_s: dict[str, float | None] = field(default_factory=dict)
+
+
+SURVIVOR_WINDOW_S = 5.0
 
 
 @dataclass
@@ -175,11 +181,17 @@ def analyse(
     errors: list[str] = []
     ttfts: dict[str, list[float]] = {"before": [], "during": [], "after": []}
     gaps: list[float] = []
+    survivor_itl: dict[str, list[float]] = {"before": [], "after": []}
     for s in sent:
         r = s.result
         if s.done_at is None:
             unfinished += 1
             continue
+        if r.outcome == OK and r.headers.get("x-tokenlane-replica") != stalled_replica:
+            if s.done_at < stalled_at:
+                survivor_itl["before"] += r.itl_s
+            elif s.at < stalled_at + SURVIVOR_WINDOW_S:
+                survivor_itl["after"] += r.itl_s
         if r.outcome == OK:
             # Streaming from the faulted replica when it failed, and finished whole: continued.
             spanned = s.at < stalled_at < s.done_at and r.content_chunks > 0
@@ -227,6 +239,7 @@ def analyse(
             "p99": _r(percentile(gaps, 99)),
             "max": _r(max(gaps)) if gaps else None,
         },
+        survivor_itl_p99_s={k: _r(percentile(v, 99)) for k, v in survivor_itl.items()},
     )
 
 
@@ -373,12 +386,15 @@ def render(report: StallReport, args: argparse.Namespace) -> str:
     ]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(report.not_continued.items())) or "none"
     gap = report.gap_s
+    itl = report.survivor_itl_p99_s
     lines += [
         f"  continued, ok / failed            {report.continued_ok} / {report.continued_failed}",
         f"  not continued, by reason          {refused}",
         f"  continued streams seen by clients {report.continued_streams_seen}; client-visible "
         f"gap p50 / p99 / max {ms(gap.get('p50'))} / {ms(gap.get('p99'))} / {ms(gap.get('max'))}",
         f"  tokens prefilled again            {report.replayed_tokens}",
+        f"  survivors' ITL p99                before {ms(itl.get('before'))}   "
+        f"{SURVIVOR_WINDOW_S:g} s after the fault {ms(itl.get('after'))} (target: not doubled)",
     ]
     lines += [f"  error: {e}" for e in report.errors]
     return "\n".join(lines)
@@ -403,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         help="leave continuation off (the policy default): streams cut mid-answer end in errors",
     )  # fmt: skip
     parser.add_argument(
-        "--reprefills-per-replica", type=int, default=8,
-        help="continuation.max_in_flight_per_replica (the policy default is 8)",
+        "--reprefills-per-replica", type=int, default=32,
+        help="continuation.max_in_flight_per_replica (the policy default is 32)",
     )  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--verbose", action="store_true", help="show the gateway's log")

@@ -436,7 +436,17 @@ class ContinuationConfig(_Strict):
         "continuations", ge=1,
     )  # fmt: skip
     max_in_flight_per_replica: int = key(
-        8, "Continuations re-prefilling at once on one target replica.", "continuations", ge=1
+        32, "Continuations re-prefilling at once on one target replica.", "continuations", ge=1
+    )
+    # What a re-prefill costs the survivor is its tokens, not its count: 32 short streams are
+    # a few engine steps, 32 long contexts could stall its other streams for seconds. About
+    # four steps of vLLM's chunked-prefill budget (max_num_batched_tokens 8,192) by default.
+    max_tokens_in_flight_per_replica: int = key(
+        32768,
+        "Prompt tokens (the original prompt and the tokens generated) re-prefilling at once on "
+        "one target replica; a continuation larger than this still starts alone.",
+        "tokens",
+        ge=1,
     )
     refuse_when_seeded: bool = key(
         False,

@@ -41,3 +41,15 @@ def test_the_gap_is_read_from_streams_of_the_faulted_replica_that_spanned_the_fa
                      ejected_wall=0.0, reason="stall", stalled_log=[])  # fmt: skip
     assert report.continued_streams_seen == 2
     assert report.gap_s["max"] == 3.5
+
+
+def test_survivors_itl_is_split_at_the_fault() -> None:
+    sent = [
+        _sent(1.0, 8.0, "sim1", [0.01, 0.02]),  # a survivor's stream, ended before the fault
+        _sent(9.0, 12.0, "sim1", [0.05, 0.04]),  # running when the re-prefills land
+        _sent(20.0, 22.0, "sim1", [0.9]),  # long after: in neither
+        _sent(9.0, 14.0, "sim0", [3.5]),  # the faulted replica's: not a survivor's
+    ]
+    report = analyse(sent, stalled_replica="sim0", stalled_at=10.0, ejected_at=13.0,
+                     ejected_wall=0.0, reason="stall", stalled_log=[])  # fmt: skip
+    assert report.survivor_itl_p99_s == {"before": 0.0199, "after": 0.0499}  # interpolated

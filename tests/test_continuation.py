@@ -320,6 +320,36 @@ def test_reprefill_room(
     assert has_room(total, on_target, max_total, max_per_replica) is expected
 
 
+@pytest.mark.parametrize(
+    ("on_target", "tokens_on_target", "tokens", "expected"),
+    [
+        (0, 0, 100, True),
+        (0, 0, 90_000, True),  # a replica re-prefilling nothing takes one, however long
+        (1, 90_000, 10, False),  # ... and nothing more until it is done
+        (3, 30_000, 2_768, True),  # exactly the budget
+        (3, 30_000, 2_769, False),  # one token over
+        (32, 320, 10, False),  # the count still bounds many short ones
+    ],
+)
+def test_reprefill_room_in_tokens(
+    on_target: int, tokens_on_target: int, tokens: int, expected: bool
+) -> None:
+    assert has_room(0, on_target, 64, 32, tokens_on_target, tokens, 32_768) is expected
+
+
+def test_the_token_bound_holds_per_replica_and_is_given_back_with_the_slot() -> None:
+    slots = Reprefills()
+    long = slots.try_take("b", 64, 32, 30_000, 32_768)
+    assert long is not None
+    assert slots.try_take("b", 64, 32, 3_000, 32_768) is None  # would pass the budget
+    short = slots.try_take("b", 64, 32, 2_000, 32_768)
+    assert short is not None and slots.tokens_by_replica == {"b": 32_000}
+    assert slots.try_take("c", 64, 32, 30_000, 32_768) is not None  # its own budget
+    long.release()
+    assert slots.tokens_by_replica["b"] == 2_000
+    assert slots.try_take("b", 64, 32, 30_000, 32_768) is not None
+
+
 async def test_a_slot_is_given_back_once_and_wakes_a_waiter() -> None:
     slots = Reprefills()
     first = slots.try_take("b", 64, 1)

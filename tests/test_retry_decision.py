@@ -58,8 +58,13 @@ AFTER = {
 # A suspect replica (detect.suspect) has its 5xx status replayed without the opt-in; a reset
 # is not (the replica may have died of the request itself): only STATUS_5XX changes.
 BEFORE_SUSPECT = {F.STATUS_5XX: BEFORE_OPTED_IN[F.STATUS_5XX]}
+# An eligible stream that continuation would carry elsewhere has a reset before its first token
+# replayed once (it would be continued one token later anyway).
+BEFORE_RESUMABLE = {F.CLOSED: BEFORE_OPTED_IN[F.CLOSED]}
 OPT_IN = {"off": (False, False), "on": (True, False), "on, used": (True, True)}
-SUSPECT = {"ordinary": False, "suspect": True}
+# (suspect, resumable)
+SUSPECT = {"ordinary": (False, False), "suspect": (True, False), "resumable": (False, True),
+           "both": (True, True)}  # fmt: skip
 
 
 def test_the_tables_cover_every_fault_and_phase() -> None:
@@ -67,10 +72,16 @@ def test_the_tables_cover_every_fault_and_phase() -> None:
     assert set(Phase) == {Phase.SENDING, Phase.HELD, Phase.STARTED, Phase.CONTENT}
 
 
-def expected(fault: Fault, phase: Phase, opt_in: bool, used: bool, suspect: bool) -> Verdict:
+def expected(
+    fault: Fault, phase: Phase, opt_in: bool, used: bool, suspect: bool, resumable: bool
+) -> Verdict:
     if phase >= Phase.STARTED:
         return Verdict(END, AFTER[fault], BEFORE[fault][2])
-    replays = BEFORE_OPTED_IN if opt_in else BEFORE_SUSPECT if suspect else {}
+    replays = dict(BEFORE_OPTED_IN) if opt_in else {}
+    if suspect:
+        replays.update(BEFORE_SUSPECT)
+    if resumable:
+        replays.update(BEFORE_RESUMABLE)
     if not used and fault in replays:
         action, failure, reason, overloaded = replays[fault]
         return Verdict(action, failure, reason, overloaded, spends_after_send=True)
@@ -85,16 +96,25 @@ def expected(fault: Fault, phase: Phase, opt_in: bool, used: bool, suspect: bool
 )
 def test_every_fault_in_every_phase(fault: Fault, phase: Phase, opt_in: str, suspect: str) -> None:
     on, used = OPT_IN[opt_in]
-    sus = SUSPECT[suspect]
-    got = judge(fault, phase, on_5xx_after_send=on, after_send_used=used, suspect=sus)
-    assert got == expected(fault, phase, on, used, sus)
+    sus, res = SUSPECT[suspect]
+    got = judge(
+        fault, phase, on_5xx_after_send=on, after_send_used=used, suspect=sus, resumable=res
+    )
+    assert got == expected(fault, phase, on, used, sus, res)
 
 
 def test_after_the_start_nothing_is_retried_whatever_the_opt_in() -> None:
     for fault, phase, (on, used), sus in itertools.product(
         Fault, (Phase.STARTED, Phase.CONTENT), OPT_IN.values(), SUSPECT.values()
     ):
-        v = judge(fault, phase, on_5xx_after_send=on, after_send_used=used, suspect=sus)
+        v = judge(
+            fault,
+            phase,
+            on_5xx_after_send=on,
+            after_send_used=used,
+            suspect=sus[0],
+            resumable=sus[1],
+        )
         assert v.action is END and not v.spends_after_send
 
 

@@ -264,3 +264,22 @@ async def test_reprefill_bounds_hold_for_the_serve_across_workers(
     assert r1.try_take("a", 2, 1) is not None
     a.release()  # released once only
     assert r0.try_take("c", 2, 1) is None and r0.total == 0
+
+
+async def test_the_reprefill_token_budget_holds_across_workers(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    from proxy.relay.reprefill import Reprefills
+
+    _, w0, w1 = boards
+    r0 = Reprefills(BoardLedger(w0, lambda _: None))
+    r1 = Reprefills(BoardLedger(w1, lambda _: None))
+    big = r0.try_take("a", 64, 32, 50_000, 32_768)
+    assert big is not None  # nothing re-prefilling on a: a long one starts alone
+    assert r1.try_take("a", 64, 32, 10, 32_768) is None  # worker 0's 50,000 tokens fill it
+    assert r1.try_take("b", 64, 32, 30_000, 32_768) is not None
+    big.release()
+    first = r1.try_take("a", 64, 32, 20_000, 32_768)
+    assert first is not None
+    assert r0.try_take("a", 64, 32, 12_768, 32_768) is not None  # exactly the budget
+    assert r0.try_take("a", 64, 32, 1, 32_768) is None

@@ -451,6 +451,11 @@ class Splice:
         """Every allowed token was generated: the gateway finishes with ``length`` itself."""
         return self.max_tokens is not None and self.text_ids >= self.max_tokens
 
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens a continuation now would prefill: the prompt and the ids the client saw."""
+        return len(self.prompt_ids or ()) + self.text_ids
+
     def continuation_body(self, model: str | None) -> dict[str, Any]:
         """The ``/v1/completions`` request that goes on from the last id the client saw."""
         assert self.prompt_ids is not None

@@ -459,6 +459,7 @@ class Relay:
             after_send_used=call.retried_after_send,
             suspect=fault is Fault.STATUS_5XX
             and detect.suspect(replica.health_ok, replica.recent_5xx),
+            resumable=call.continuation is not None and self.policy().continuation.max_attempts > 0,
         )
 
     async def _settle(

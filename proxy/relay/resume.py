@@ -352,7 +352,11 @@ class Resumer:
                 await asyncio.sleep(min(left, PROBE_POLL_S, next_keepalive - loop.time()))
             else:
                 slot = self.reprefills.try_take(
-                    target.name, cfg.max_in_flight, cfg.max_in_flight_per_replica
+                    target.name,
+                    cfg.max_in_flight,
+                    cfg.max_in_flight_per_replica,
+                    call.continuation.replay_tokens,
+                    cfg.max_tokens_in_flight_per_replica,
                 )
                 if slot is not None:
                     return target, slot, None

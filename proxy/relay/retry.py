@@ -80,7 +80,9 @@ REASON: dict[Fault, RetryReason] = {
 # and a 5xx status is relayed as the replica's answer. One exception: a 5xx status from a
 # suspect replica (``detect.suspect``: its own /health fails, or many of its answers were 5xx)
 # is replayed once by default. A reset is not: the replica may have died of this very request,
-# and a replay would take a second one down with it.
+# and a replay would take a second one down with it. Except for a stream that continuation
+# would carry on another replica (``resumable``): one token later its reset would have been
+# continued there anyway, so refusing it at token zero guards nothing.
 _AFTER_SEND = frozenset({Fault.CLOSED, Fault.STATUS_5XX})
 
 
@@ -91,9 +93,11 @@ def judge(
     on_5xx_after_send: bool,
     after_send_used: bool,
     suspect: bool = False,
+    resumable: bool = False,
 ) -> Verdict:
     """What ``fault``, met in ``phase``, means for the attempt and the request (``suspect``:
-    the attempt's replica has evidence of its own against it)."""
+    the attempt's replica has evidence of its own against it; ``resumable``: an eligible
+    stream that continuation would carry on another replica once it has content)."""
     failure = FAILURE[fault]
     reason = REASON[fault]
     if phase >= Phase.STARTED:
@@ -104,7 +108,11 @@ def judge(
         # may fire a hair before loop.time() reaches it, so the loop's own check can miss).
         return Verdict(Action.FAIL, failure, reason)
     if fault in _AFTER_SEND:
-        replay = on_5xx_after_send or (suspect and fault is Fault.STATUS_5XX)
+        replay = (
+            on_5xx_after_send
+            or (suspect and fault is Fault.STATUS_5XX)
+            or (resumable and fault is Fault.CLOSED)
+        )
         if replay and not after_send_used:
             return Verdict(Action.RETRY, failure, reason, spends_after_send=True)
         if fault is Fault.STATUS_5XX:

@@ -71,8 +71,9 @@ class Ledger(Protocol):
         """What the other workers hold of ``name`` now."""
         ...
 
-    def claim(self, name: str, limit: int) -> bool:
-        """One more for this worker when all workers together hold fewer than ``limit``."""
+    def claim(self, name: str, limit: int, amount: int = 1) -> bool:
+        """One more for this worker when all workers together hold fewer than ``limit`` (or
+        ``amount`` more when it fits, or when they hold nothing)."""
         ...
 
     def hold(self, name: str, count: int) -> None:

@@ -131,14 +131,17 @@ class Board:
         assert self.worker is not None
         self.counts[self.worker * self.rows + row] = value
 
-    def claim(self, row: int, limit: int) -> bool:
-        """Take one of ``limit`` for this worker when the workers together hold fewer."""
+    def claim(self, row: int, limit: int, amount: int = 1) -> bool:
+        """Take ``amount`` of ``limit`` for this worker when the workers together hold little
+        enough: one while they hold fewer than ``limit``; a larger amount while it fits, or
+        whatever its size when they hold nothing (a token budget must let a long one start)."""
         assert self.worker is not None
         at = self.worker * self.rows + row
         with self.locked():
-            if self.total(row) >= limit:
+            held = self.total(row)
+            if held >= limit if amount == 1 else (held > 0 and held + amount > limit):
                 return False
-            self.counts[at] += 1
+            self.counts[at] += amount
             return True
 
     def zero_column(self, worker: int) -> None:

@@ -119,9 +119,9 @@ class BoardLedger:
         row = self._row(name)
         return 0 if row is None else board.total(row) - board.mine(row)
 
-    def claim(self, name: str, limit: int) -> bool:
+    def claim(self, name: str, limit: int, amount: int = 1) -> bool:
         row = self._row(name)
-        return True if row is None else self.board.claim(row, limit)
+        return True if row is None else self.board.claim(row, limit, amount)
 
     def hold(self, name: str, count: int) -> None:
         row = self._row(name)
