@@ -65,6 +65,9 @@ def chat_body(i: int, max_tokens: int) -> bytes:
             "messages": [{"role": "user", "content": f"request {i}: write a short poem"}],
             "max_tokens": max_tokens,
             "stream": True,
+            # Greedy: the simulator's answer is then a function of the prompt, so a continued
+            # stream's text can be checked against the same prompt asked of a survivor.
+            "temperature": 0,
         }
     ).encode()
 
@@ -74,7 +77,7 @@ async def send_one(client: LoadClient, out: list[Sent], max_tokens: int) -> None
     i = len(out)
     result = RequestResult(
         index=i, cls="chat", stream=True, prompt_tokens=0, max_tokens=max_tokens,
-        scheduled_s=0.0,
+        scheduled_s=0.0, text=[],
     )  # fmt: skip
     sent = Sent(time.monotonic(), result)
     out.append(sent)
@@ -127,6 +130,8 @@ class StallReport:
     # The other replicas' streams: ITL p99 of those that ended before the fault, and of those
     # that ran during the SURVIVOR_WINDOW_S after it (the re-prefills land then).
     survivor_itl_p99_s: dict[str, float | None] = field(default_factory=dict)
+    # Continued streams whose text differs from the same prompt's answer on a survivor.
+    continued_text_differs: int | None = None
 
 
 SURVIVOR_WINDOW_S = 5.0
@@ -158,6 +163,38 @@ def continuation_counts(exposition: str) -> ContinuationCounts:
     return counts
 
 
+def continued(sent: Sequence[Sent], stalled_replica: str, stalled_at: float) -> list[Sent]:
+    """Streams of the faulted replica that were under way when it failed and finished whole:
+    the ones continued on another replica."""
+    return [
+        s
+        for s in sent
+        if s.done_at is not None
+        and s.result.outcome == OK
+        and s.at < stalled_at < s.done_at
+        and s.result.content_chunks > 0
+        and s.result.headers.get("x-tokenlane-replica") == stalled_replica
+        and s.result.itl_s
+    ]
+
+
+async def texts_differing(survivor: str, streams: Sequence[Sent], max_tokens: int) -> int:
+    """How many of ``streams`` have a text other than the same prompt's answer from
+    ``survivor`` asked directly (greedy: the simulator's answer is a function of the prompt),
+    so a lost, repeated or altered token shows."""
+    differ = 0
+    async with LoadClient(survivor, timeout_s=60, max_connections=16) as client:
+        for s in streams:
+            ref = RequestResult(
+                index=s.result.index, cls="chat", stream=True, prompt_tokens=0,
+                max_tokens=max_tokens, scheduled_s=0.0, text=[],
+            )  # fmt: skip
+            await client.send("/v1/chat/completions", chat_body(s.result.index, max_tokens), ref)
+            if ref.outcome != OK or "".join(ref.text or ()) != "".join(s.result.text or ()):
+                differ += 1
+    return differ
+
+
 def phase_of(at: float, stalled_at: float, ejected_at: float) -> str:
     if at < stalled_at:
         return "before"
@@ -180,7 +217,7 @@ def analyse(
     failed_early = failed_mid = failed_mid_elsewhere = unfinished = 0
     errors: list[str] = []
     ttfts: dict[str, list[float]] = {"before": [], "during": [], "after": []}
-    gaps: list[float] = []
+    gaps = [max(s.result.itl_s) for s in continued(sent, stalled_replica, stalled_at)]
     survivor_itl: dict[str, list[float]] = {"before": [], "after": []}
     for s in sent:
         r = s.result
@@ -193,10 +230,6 @@ def analyse(
             elif s.at < stalled_at + SURVIVOR_WINDOW_S:
                 survivor_itl["after"] += r.itl_s
         if r.outcome == OK:
-            # Streaming from the faulted replica when it failed, and finished whole: continued.
-            spanned = s.at < stalled_at < s.done_at and r.content_chunks > 0
-            if spanned and r.headers.get("x-tokenlane-replica") == stalled_replica and r.itl_s:
-                gaps.append(max(r.itl_s))
             if r.ttft_s is not None:
                 ttfts[phase_of(s.at, stalled_at, ejected_at)].append(r.ttft_s)
             continue
@@ -346,16 +379,20 @@ async def run(args: argparse.Namespace) -> StallReport:
             if args.fault != "kill":
                 log = (await http.get(urls[0] + "/sim/requests")).json()["requests"]
             exposition = (await http.get(gateway + "/metrics")).text
-        return analyse(
-            sent,
-            stalled_replica="sim0",
-            stalled_at=stalled_at,
-            ejected_at=ejected_at,
-            ejected_wall=ejected_wall,
-            reason=row["reason"],
-            stalled_log=log,
-            continuation=continuation_counts(exposition),
-        )
+            report = analyse(
+                sent,
+                stalled_replica="sim0",
+                stalled_at=stalled_at,
+                ejected_at=ejected_at,
+                ejected_wall=ejected_wall,
+                reason=row["reason"],
+                stalled_log=log,
+                continuation=continuation_counts(exposition),
+            )
+            report.continued_text_differs = await texts_differing(
+                urls[1], continued(sent, "sim0", stalled_at), args.max_tokens
+            )
+        return report
 
 
 def render(report: StallReport, args: argparse.Namespace) -> str:
@@ -393,6 +430,7 @@ def render(report: StallReport, args: argparse.Namespace) -> str:
         f"  continued streams seen by clients {report.continued_streams_seen}; client-visible "
         f"gap p50 / p99 / max {ms(gap.get('p50'))} / {ms(gap.get('p99'))} / {ms(gap.get('max'))}",
         f"  tokens prefilled again            {report.replayed_tokens}",
+        f"  continued texts unlike the unfaulted answer {report.continued_text_differs} (target 0)",
         f"  survivors' ITL p99                before {ms(itl.get('before'))}   "
         f"{SURVIVOR_WINDOW_S:g} s after the fault {ms(itl.get('after'))} (target: not doubled)",
     ]

@@ -86,6 +86,17 @@ def has_content(chunk: Mapping[str, Any]) -> bool:
     return False
 
 
+def chunk_text(chunk: Mapping[str, Any]) -> str:
+    """The text a chat or completions chunk carries."""
+    out = []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        text = (delta or {}).get("content") if delta is not None else choice.get("text")
+        if isinstance(text, str):
+            out.append(text)
+    return "".join(out)
+
+
 def message_has_content(body: Mapping[str, Any]) -> bool:
     for choice in body.get("choices") or ():
         msg = choice.get("message")
@@ -257,6 +268,8 @@ class LoadClient:
                     result.error = error_text(200, payload)
                     continue
                 if has_content(chunk):
+                    if result.text is not None:
+                        result.text.append(chunk_text(chunk))
                     result.content_chunks += 1
                     if last_content is None:
                         result.ttft_s = now - started

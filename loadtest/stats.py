@@ -54,6 +54,9 @@ class RequestResult:
     usage_completion_tokens: int | None = None
     error: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # The streamed text, kept only when the sender sets it to a list (a benchmark comparing
+    # answers); None costs the load generator nothing.
+    text: list[str] | None = None
 
     @property
     def ok(self) -> bool:
