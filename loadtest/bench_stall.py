@@ -8,7 +8,9 @@ apart; target zero), and p99 TTFT of requests sent before the stall, between sta
 ejection, and after the ejection. Streams cut mid-answer are continued on another replica
 (issue 13): the report counts those continued, those whose continuation failed and those not
 continued (by reason, from the gateway's metrics), the client-visible gap of the continued ones
-(their longest pause between two chunks), and the tokens the survivors prefilled again.
+(their longest pause between two chunks), and the tokens the survivors prefilled again. The
+answers are greedy, so each continued stream's text is checked against the same prompt asked of
+a survivor directly; and the survivors' own streams' ITL p99 before the fault and just after it.
 
 Every part is its own process, as in production: the simulators (``python -m loadtest.sim``),
 the gateway (``python -m proxy serve``); this process only generates load (a closed loop of
@@ -17,6 +19,9 @@ streaming chat requests) and watches ``/admin/replicas``.
     python -m loadtest.bench_stall [--replicas 3] [--workers 24] [--interval-s 1]
         [--stall-after-s 3] [--fault stall|kill] [--json out.json]
     python -m loadtest.bench_stall --fault kill --replicas 2 --workers 200   # ~100 streams
+
+Length: one benchmark, one fault under load: the load, the fault, the report's analysis (pure,
+tested in ``tests/test_bench_stall.py``) and its rendering read one run's figures together.
 """
 
 from __future__ import annotations
