@@ -196,19 +196,20 @@ async def render_cost(port: int, w: Workload, n: int = 200) -> dict[str, float]:
 
 def local_tokenize_cost(w: Workload, n: int = 200) -> dict[str, float]:
     """The other source of token ids the issue names, ``estimate.tokenizer_file``: the same
-    prompts encoded in-process by the ``tokenizers`` library (the gateway's TokenCounter does
-    this for counts), with a byte-level BPE trained here on the workload's texts (no model's
+    prompts encoded in-process by the ``tokenizers`` library (as ``proxy.routing.tokens``
+    does for counts), with a byte-level BPE trained here on the workload's texts (no model's
     tokenizer can be downloaded on this machine; a real one's vocabulary is larger, its
     per-token cost of the same order). Only the encode: a chat would also need the model's
     chat template. Per request, p50/p99, on this process's core."""
+    from tokenizers import Tokenizer
+
     from loadtest import hf_tokenizer
-    from proxy.routing.tokens import TokenCounter
 
     reqs = requests_for(w, "render", 7)[:n]
     texts = [m["content"] for messages in reqs for m in messages]
     with tempfile.TemporaryDirectory() as d:
-        counter = TokenCounter(str(hf_tokenizer.build(Path(d), texts) / "tokenizer.json"))
-    encode = counter._tokenizer.encode
+        tokenizer = Tokenizer.from_file(str(hf_tokenizer.build(Path(d), texts) / "tokenizer.json"))
+    encode = tokenizer.encode
     times, tokens = [], 0
     for messages in reqs:
         t0 = time.perf_counter()

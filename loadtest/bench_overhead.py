@@ -428,13 +428,21 @@ def run_burst(seconds: float, repeat: int, tracing: bool = False) -> list[dict[s
                     "mode": "burst",
                     "tracing": tracing,
                     "concurrency": conc,
-                    "direct": d,
-                    "gateway": g,
-                    "added_ttft_p50_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
-                    "added_ttft_p99_ms": g["ttft_p99_ms"] - d["ttft_p99_ms"],
+                    **added(d, g, "ttft", ("p50", "p99")),
                 }
             )
     return rows
+
+
+def added(
+    direct: dict[str, float], gateway: dict[str, float], what: str, stats: tuple[str, ...]
+) -> dict[str, Any]:
+    """A row's figures both ways and what the gateway adds: ``added_<what>_<stat>_ms``."""
+    out: dict[str, Any] = {"direct": direct, "gateway": gateway}
+    for stat in stats:
+        key = f"{what}_{stat}_ms"
+        out[f"added_{key}"] = gateway[key] - direct[key]
+    return out
 
 
 def run_paced(
@@ -460,11 +468,7 @@ def run_paced(
                 "continuation": continuation,
                 "tracing": tracing,
                 "streams": streams,
-                "direct": d,
-                "gateway": g,
-                "added_itl_p50_ms": g["itl_p50_ms"] - d["itl_p50_ms"],
-                "added_itl_p99_ms": g["itl_p99_ms"] - d["itl_p99_ms"],
-                "added_itl_max_ms": g["itl_max_ms"] - d["itl_max_ms"],
+                **added(d, g, "itl", ("p50", "p99", "max")),
             }
         )
     return out

@@ -172,27 +172,34 @@ async def test_a_reset_after_send_is_retried_at_most_once() -> None:
             assert (chats(c1) + chats(c2), chats(good)) == (2, 0)
 
 
+async def stream_cut_before_its_first_token(**sections: Any) -> tuple[httpx.Response, int, int]:
+    """A stream whose first replica sends the status line and the role chunk, then drops the
+    connection, under a policy of ``sections``: the client's answer, and the chat requests
+    the cut replica and the spill replica received."""
+    async with running(tokens=3) as cut, running(tokens=3) as good:
+        async with running_gateway(first_then_spill([cut.url], [good.url], **sections)) as (
+            url,
+            _,
+        ):
+            cut.cut_after = 0
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        return r, chats(cut), chats(good)
+
+
 @pytest.mark.parametrize("opt_in", [False, True])
 async def test_a_stream_cut_before_its_first_token_is_retried_only_on_opt_in(opt_in: bool) -> None:
     # Continuation off: the stream is not one it would carry (see the next test).
-    async with running(tokens=3) as cut, running(tokens=3) as good:
-        policy = first_then_spill(
-            [cut.url],
-            [good.url],
-            retry={"on_5xx_after_send": opt_in},
-            continuation={"enabled": False},
-        )
-        async with running_gateway(policy) as (url, _):
-            cut.cut_after = 0  # the status line and the role chunk, then the connection drops
-            async with httpx.AsyncClient(timeout=10) as client:
-                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
-            if opt_in:
-                assert r.status_code == 200
-                assert r.text.rstrip().endswith("data: [DONE]")
-                assert chats(good) == 1
-            else:
-                assert r.status_code == 502
-                assert chats(good) == 0
+    r, _, good = await stream_cut_before_its_first_token(
+        retry={"on_5xx_after_send": opt_in}, continuation={"enabled": False}
+    )
+    if opt_in:
+        assert r.status_code == 200
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert good == 1
+    else:
+        assert r.status_code == 502
+        assert good == 0
 
 
 @pytest.mark.parametrize("attempts", [1, 0])
@@ -202,21 +209,16 @@ async def test_a_stream_continuation_would_carry_is_retried_once_after_a_reset_b
     """One token later the reset would have been continued on another replica, so at token
     zero it is retried there, once, without the opt-in (docs/http.md); not when the policy
     allows no continuation (``max_attempts: 0``)."""
-    async with running(tokens=3) as cut, running(tokens=3) as good:
-        policy = first_then_spill(
-            [cut.url], [good.url], continuation={"enabled": True, "max_attempts": attempts}
-        )
-        async with running_gateway(policy) as (url, _):
-            cut.cut_after = 0  # the status line and the role chunk, then the connection drops
-            async with httpx.AsyncClient(timeout=10) as client:
-                r = await client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
-            if attempts:
-                assert r.status_code == 200
-                assert r.text.rstrip().endswith("data: [DONE]")
-                assert (chats(cut), chats(good)) == (1, 1)
-            else:
-                assert r.status_code == 502
-                assert (chats(cut), chats(good)) == (1, 0)
+    r, cut, good = await stream_cut_before_its_first_token(
+        continuation={"enabled": True, "max_attempts": attempts}
+    )
+    if attempts:
+        assert r.status_code == 200
+        assert r.text.rstrip().endswith("data: [DONE]")
+        assert (cut, good) == (1, 1)
+    else:
+        assert r.status_code == 502
+        assert (cut, good) == (1, 0)
 
 
 async def test_an_idle_pooled_connection_is_not_reused_past_the_keepalive_expiry(

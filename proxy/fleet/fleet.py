@@ -232,12 +232,7 @@ class Fleet:
             self.note_5xx(replica)
             return
         if failure in HARD_FAILURES:
-            replica.failures_in_row += 1
-            if (
-                replica.state is ReplicaState.HEALTHY
-                and replica.failures_in_row >= h.consecutive_failures
-            ):
-                self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+            self._hard_failure(replica)
             return
         reason = SILENT_FAILURES.get(failure)
         if reason is None:
@@ -263,11 +258,8 @@ class Fleet:
         replica.fivexx_in_row += 1
         if replica.state is not ReplicaState.HEALTHY:
             return
-        if confirmed:
-            replica.failures_in_row += 1
-            if replica.failures_in_row >= self.health.consecutive_failures:
-                self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
-                return
+        if confirmed and self._hard_failure(replica):
+            return
         peer_5xx = peer_total = 0
         pool = self.pools.get(replica.pool)
         for peer in pool.replicas if pool is not None else ():
@@ -277,6 +269,18 @@ class Fleet:
         threshold = self.health.consecutive_failures
         if detect.fivexx_outlier(replica.fivexx_in_row, threshold, peer_5xx, peer_total):
             self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+
+    def _hard_failure(self, replica: Replica) -> bool:
+        """One failure that is surely the replica's own (a connect error, a reset, a confirmed
+        5xx): toward ``consecutive_failures``. Returns whether it was ejected (or held back)."""
+        replica.failures_in_row += 1
+        if (
+            replica.state is ReplicaState.HEALTHY
+            and replica.failures_in_row >= self.health.consecutive_failures
+        ):
+            self._fail(replica, EjectReason.CONSECUTIVE_FAILURES, self.clock())
+            return True
+        return False
 
     # -- the health loop reports here ------------------------------------------------------
 

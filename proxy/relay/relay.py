@@ -66,7 +66,7 @@ from proxy.relay.upstream import (
 )
 from proxy.routing.admission import Admission
 from proxy.routing.cache_aware import PreciseFeeds
-from proxy.routing.pick import Picker
+from proxy.routing.pick import CANARY_POLL_S, Picker
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -81,9 +81,6 @@ DROP_UPSTREAM = HOP_BY_HOP | {
     b"host", b"content-length", b"expect", b"x-request-id",
     b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
 }  # fmt: skip
-
-# How often a retry with no target looks again while a replica it could take is on its canary.
-CANARY_POLL_S = 0.05
 
 # Statuses the retry rules look at before anything is relayed.
 _STATUS_FAULTS = {
@@ -452,14 +449,15 @@ class Relay:
 
     def _judge(self, call: Call, attempt: Attempt, fault: Fault) -> Verdict:
         replica = attempt.replica
+        policy = self.policy()
         return judge(
             fault,
             attempt.phase,
-            on_5xx_after_send=self.policy().retry.on_5xx_after_send,
+            on_5xx_after_send=policy.retry.on_5xx_after_send,
             after_send_used=call.retried_after_send,
             suspect=fault is Fault.STATUS_5XX
             and detect.suspect(replica.health_ok, replica.recent_5xx),
-            resumable=call.continuation is not None and self.policy().continuation.max_attempts > 0,
+            resumable=call.continuation is not None and policy.continuation.max_attempts > 0,
         )
 
     async def _settle(

@@ -40,6 +40,7 @@ from proxy.relay.reprefill import Reprefills, Slot
 from proxy.relay.retry import Phase
 from proxy.relay.upstream import raw_chunks
 from proxy.routing.admission import Admission
+from proxy.routing.pick import CANARY_POLL_S
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from proxy.config import LaneConfig, Policy
 
 now = time.perf_counter
-PROBE_POLL_S = 0.05  # how often a continuation with no target looks again while one probes
 
 
 class Resumer:
@@ -349,7 +349,7 @@ class Resumer:
                 # timeout, rather than give the stream up.
                 if left <= 0 or not self.canary_coming(call):
                     return None, None, cont.Refusal.NO_TARGET
-                await asyncio.sleep(min(left, PROBE_POLL_S, next_keepalive - loop.time()))
+                await asyncio.sleep(min(left, CANARY_POLL_S, next_keepalive - loop.time()))
             else:
                 slot = self.reprefills.try_take(
                     target.name,

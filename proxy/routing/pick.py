@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from proxy.config import Policy
 
 
+# How often a request with no replica to go to looks again while one it could take is on its
+# canary (``Picker.canary_coming``): a retry and a continuation alike.
+CANARY_POLL_S = 0.05
+
+
 class Picker:
     """The relay's choice of a replica (``Relay.try_pick``, the resumer's, realtime's)."""
 
@@ -162,4 +167,4 @@ class Picker:
         return None
 
 
-__all__ = ["Picker"]
+__all__ = ["CANARY_POLL_S", "Picker"]

@@ -139,7 +139,7 @@ class Board:
         at = self.worker * self.rows + row
         with self.locked():
             held = self.total(row)
-            if held >= limit if amount == 1 else (held > 0 and held + amount > limit):
+            if held >= limit or (held > 0 and held + amount > limit):
                 return False
             self.counts[at] += amount
             return True
