@@ -234,6 +234,9 @@ async def test_a_killed_worker_comes_back_and_what_it_held_is_free_at_once(tmp_p
                 assert answer is not None
                 victim_pid = answer["pid"]
                 assert victim_pid in pids
+                # What it has counted (at least one request: until_both_workers_served).
+                counted = await serve.worker_metric(victim, "tokenlane_requests_total")
+                assert counted >= 1
                 os.kill(victim_pid, signal.SIGKILL)
 
                 # Its slot is free again: a new stream starts while the other long one runs.
@@ -256,6 +259,10 @@ async def test_a_killed_worker_comes_back_and_what_it_held_is_free_at_once(tmp_p
 
                 await wait_until(answers, what="the new worker answering", timeout=60)
                 assert "starting it again" in serve.err.read_text()
+                # The new worker counts on from its slot's counts (its stream died unfinished,
+                # and it has served nothing since): the serve's sums never drop.
+                assert await serve.worker_metric(victim, "tokenlane_requests_total") == counted
+                assert await serve.worker_metric(victim, "tokenlane_replica_in_flight") == 0
                 for t in streams:
                     t.cancel()
 

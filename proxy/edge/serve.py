@@ -21,6 +21,7 @@ from proxy.config import Policy
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import configure_logging
 from proxy.gateway import Gateway, create_app
+from proxy.workers import kept
 from proxy.workers.link import WorkerLink, WorkerPlace
 from proxy.workers.supervisor import supervise, workers_for
 
@@ -175,6 +176,8 @@ def serve_worker(
     """One worker of a serve: the gateway on the supervisor's socket, linked to the others."""
     configure_logging(log_level)
     tune_gc()
+    # Before any metric exists: a restarted worker counts on from where its slot stopped.
+    kept.install(place.rundir, place.index)
     app = create_app(policy, policy_path=policy_path, link=WorkerLink(place))
     config = uvicorn_config(
         app, policy.server.host, policy.server.port, timeout_graceful_shutdown=1.0
