@@ -254,8 +254,9 @@ async def test_replica_key_is_sent_as_bearer_token() -> None:
 
 
 async def test_tcp_nodelay_is_set_on_both_sides() -> None:
-    import aiohttp
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from proxy.relay.h1 import H1Connection
 
     async with running(tokens=3) as up:
         async with running_gateway(policy_for({"p": [up.url]})) as (url, _):
@@ -277,7 +278,7 @@ async def test_tcp_nodelay_is_set_on_both_sides() -> None:
             upstream = [
                 o.transport.get_extra_info("socket")
                 for o in gc.get_objects()
-                if isinstance(o, aiohttp.client_proto.ResponseHandler)
+                if isinstance(o, H1Connection)
                 and o.transport is not None
                 and o.transport.get_extra_info("peername")[1] == up.port
             ]

@@ -1,42 +1,38 @@
 """The one HTTP client to the replicas, and the only module that knows what is under it.
 
-The relay and the health loop talk to replicas through an ``httpx.AsyncClient`` over an aiohttp
-transport (``httpx-aiohttp``), trimmed for a proxy. Whatever goes wrong below surfaces as one of
-Tokenlane's own errors (``proxy.errors.UpstreamError``), mapped in one table here, the way httpx
-maps httpcore's exceptions: nothing above this module names an aiohttp or httpx-aiohttp type, and
-an upgrade of either changes this module (and ``tests/test_internals.py``), not the retry rules.
+The relay and the health loop talk to replicas through an ``httpx.AsyncClient`` whose
+transport (``RelayTransport``) sends plain requests over the relay's own HTTP/1.1 client
+(``relay/h1.py``) and WebSockets over aiohttp (``open_websocket``). Whatever goes wrong below
+surfaces as one of Tokenlane's own errors (``proxy.errors.UpstreamError``): ``h1.py`` raises
+them itself; aiohttp's and httpx's are mapped in one table here, the way httpx maps httpcore's
+exceptions. Nothing above this module names an aiohttp or httpx-aiohttp type.
 
-What the mapping must tell apart is how far an exchange got, because that decides whether
+What the errors must tell apart is how far an exchange got, because that decides whether
 another replica may take the request:
 
-    UpstreamUnreached     the replica never saw the request (refused, DNS, TLS, connect or pool
+    UpstreamUnreached     the replica never saw the request (refused, DNS, TLS, connect
                           timeout)
     UpstreamNotHttp       what answered is no HTTP server (a wrong port, another protocol)
     UpstreamClosed        the connection closed or reset after the request was sent
     UpstreamReadTimeout   nothing arrived within the read timeout (the idle watchdog)
 
-The transport (``RelayTransport``) converts requests and responses for the general case no
-more than it must: ``httpx_aiohttp.AiohttpTransport`` makes a new ``ClientTimeout`` per request,
-looks the body up through ``request.content`` and reads a response in 16 KiB slices through
-two generator layers. A relay sends the same few timeouts over and over and wants each chunk
-as it arrived, so the subclass keeps those conversions once and reads what the socket gave
-(``readany``).
+A response's body (``RawResponseStream``) is read as the socket gave it, or pumped chunk by
+chunk into the relay's handler (``pump``: the relay's hot path, ``h1.py`` says why).
 
-Length: one job, the seam to the HTTP client: the exception table, the transport and the raw reader
-must change together when a library moves.
+Length: one job, the seam to the HTTP clients: the exception table, the transport and the
+WebSocket wrapper must change together when a library moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
-from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
+from httpx_aiohttp.transport import AiohttpTransport
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -47,6 +43,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
+from proxy.relay.h1 import H1Connection, H1Pool, Handler, Origin, request_head
 
 if TYPE_CHECKING:
     from proxy.config import Policy
@@ -69,11 +66,6 @@ KEEPALIVE_EXPIRY_S = 2.5
 # only) are for. A fresh connection that fails the same way is a replica that read the
 # request and died: that is the retry rules' to judge (``relay/retry.py``), not resent here.
 STALE_RESENDS = 3
-
-# Whether the connection the current request went out on came from the pool. Set by the
-# connector within the request's own task, read when the send fails (a context variable: a
-# pool shared by many concurrent requests has no per-request slot of its own).
-_FROM_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("_FROM_POOL", default=False)
 
 _EXTENSIONS = {"http_version": b"HTTP/1.1"}
 
@@ -137,99 +129,113 @@ def root_cause(exc: BaseException) -> str:
 # -- the transport ----------------------------------------------------------------------------
 
 
-class RawResponseStream(AiohttpResponseStream):
-    """A response body as the socket delivered it: each read returns what is buffered (one
-    relayed chunk per upstream write when the relay keeps up), never re-sliced."""
+class RawResponseStream(httpx.AsyncByteStream):
+    """A response body as the socket delivered it: each read returns what arrived since the
+    last (one relayed chunk per upstream write when the relay keeps up), never re-sliced; or,
+    pumped (``pump``), each chunk handed to the relay as it arrives."""
+
+    __slots__ = ("_conn", "_origin", "_pool", "_released")
+
+    def __init__(self, pool: H1Pool, origin: Origin, conn: H1Connection) -> None:
+        self._pool = pool
+        self._origin = origin
+        self._conn = conn
+        self._released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._aiohttp_response.content
-        with _mapped(_READING):
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return
-                yield chunk
+        conn = self._conn
+        while chunk := await conn.next_chunk():
+            yield chunk
+
+    async def pump(self, handler: Handler) -> bytes | None:
+        """``H1Connection.pump``: None at the body's end, else what the handler returned."""
+        return await self._conn.pump(handler)
 
     def at_eof(self) -> bool:
         """Everything the replica sent has been read: the last read held the end too."""
-        return self._aiohttp_response.content.at_eof()
+        conn = self._conn
+        return conn.complete and not conn.chunks and not conn.declined
 
     async def aclose(self) -> None:
-        with _mapped(_READING):
-            await super().aclose()
+        if not self._released:
+            self._released = True
+            self._pool.release(self._origin, self._conn)
 
 
 class RelayTransport(AiohttpTransport):
-    """``AiohttpTransport`` with per-request work cached: the aiohttp timeout of each
-    ``httpx`` timeout dict the relay reuses, and no redirect, proxy or SNI handling (the relay
-    sends plain requests to the replicas' own URLs and follows no redirect)."""
+    """The relay's transport: plain requests over the relay's own HTTP/1.1 client
+    (``relay/h1.py``); the aiohttp session underneath is only for WebSockets
+    (``open_websocket``). No redirect, proxy, cookie or decompression handling: the relay
+    sends plain requests to the replicas' own URLs and relays what comes back."""
 
     def __init__(self, *, on_stale_resend: Callable[[], None] = lambda: None, **kw: Any) -> None:
         super().__init__(**kw)
         self.on_stale_resend = on_stale_resend
-        # id(timeout dict) -> (the dict, kept alive so its id stays its own; the aiohttp timeout)
-        self._timeouts: dict[int, tuple[dict[str, float | None], aiohttp.ClientTimeout]] = {}
-
-    def _client_timeout(self, timeout: dict[str, float | None]) -> aiohttp.ClientTimeout:
-        cached = self._timeouts.get(id(timeout))
-        if cached is not None and cached[0] is timeout:
-            return cached[1]
-        aio = aiohttp.ClientTimeout(
-            sock_connect=timeout.get("connect"),
-            sock_read=timeout.get("read"),
-            connect=timeout.get("pool"),
+        self.pool = H1Pool(
+            connect_timeout_s=CONNECT_TIMEOUT_S, keepalive_expiry_s=KEEPALIVE_EXPIRY_S
         )
-        if len(self._timeouts) > 256:  # reloads make new dicts; the old ones go
-            self._timeouts.clear()
-        self._timeouts[id(timeout)] = (timeout, aio)
-        return aio
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request``; raises only ``UpstreamError`` for what the exchange met."""
-        session = self.client
-        if not isinstance(session, aiohttp.ClientSession):
-            session = self.client = self.get_client()
+        url = request.url
+        pool = self.pool
+        origin = pool.origin(url.scheme, url.host, url.port)
         stream = request.stream
-        if isinstance(stream, httpx.ByteStream):
-            # The bytes themselves (a one-part join returns its part): also for a request
-            # built from a stream, which has no ``.content`` until read.
-            data: Any = b"".join(stream) or None
-        else:  # a streamed body: aiohttp frames it itself
-            data = stream
-            request.headers.pop("transfer-encoding", None)
-        timeout = self._client_timeout(request.extensions.get("timeout") or {})
+        streamed = not isinstance(stream, httpx.ByteStream)
+        if streamed:  # read whole, and never sent twice (it may not be readable again)
+            assert isinstance(stream, httpx.AsyncByteStream)
+            body = b"".join([part async for part in stream])
+        else:
+            body = b"".join(stream)  # type: ignore[arg-type]  # a ByteStream is both kinds
+        method = request.method
+        length = len(body) if body or method not in _NO_BODY_METHODS else None
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _SET_HERE]
+        head = request_head(method, url.raw_path, origin.host_header, headers, length)
+        timeout = request.extensions.get("timeout") or {}
+        read_timeout = timeout.get("read")
+        loop = asyncio.get_running_loop()
         resends = 0
         while True:
+            conn = pool.take_idle(origin, loop)
+            from_pool = conn is not None
+            if conn is None:
+                conn = await pool.connect(origin)
+            conn.head_only = method == "HEAD"
             try:
-                with _mapped(_SENDING):
-                    response = await session.request(
-                        request.method,
-                        str(request.url),
-                        headers=request.headers,
-                        data=data,
-                        allow_redirects=False,
-                        auto_decompress=False,
-                        compress=False,
-                        timeout=timeout,
-                    )
-                break
+                await conn.exchange(head, body, read_timeout)
             except UpstreamClosed:
-                # A streamed body is consumed by the first send: it cannot go again.
-                if not stale_resend_allowed(_FROM_POOL.get(), resends, streamed=data is stream):
+                conn.close()
+                # Closed before any byte of an answer on a connection taken from the pool: the
+                # replica closed it idle and never read the request (``STALE_RESENDS``).
+                if conn.got_bytes or not stale_resend_allowed(
+                    from_pool, resends, streamed=streamed
+                ):
                     raise
                 resends += 1
                 self.on_stale_resend()
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            break
         return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=RawResponseStream(response),
+            status_code=conn.status,
+            headers=conn.headers,
+            stream=RawResponseStream(pool, origin, conn),
             request=request,
             extensions=_EXTENSIONS,
         )
 
     async def aclose(self) -> None:
+        self.pool.close()
         with _mapped(_READING):
             await super().aclose()
+
+
+# Methods whose requests carry no body, so no Content-Length when they have none.
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Set by ``request_head`` itself, whatever the request's headers say.
+_SET_HERE = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 
 # -- WebSockets ----------------------------------------------------------------------------------
@@ -365,19 +371,6 @@ def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bo
     return from_pool and not streamed and resends < STALE_RESENDS
 
 
-class PoolConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, telling the request's task whether its connection was pooled.
-
-    ``_get`` is aiohttp's "take an idle connection from the pool" step (``connect`` calls it
-    first, and again after waiting for a free slot); ``tests/test_internals.py`` holds it to
-    that, so an aiohttp upgrade that renames it fails there and not silently here."""
-
-    async def _get(self, key: Any, traces: Any) -> Any:
-        conn = await super()._get(key, traces)
-        _FROM_POOL.set(conn is not None)
-        return conn
-
-
 def make_client(
     policy: Policy, *, on_stale_resend: Callable[[], None] = lambda: None
 ) -> UpstreamClient:
@@ -412,7 +405,7 @@ def _session_factory(limits: httpx.Limits) -> Callable[[], aiohttp.ClientSession
     of its own. The connector gets the same explicit limits."""
 
     def make() -> aiohttp.ClientSession:
-        connector = PoolConnector(
+        connector = aiohttp.TCPConnector(
             limit=limits.max_connections or 0,
             keepalive_timeout=limits.keepalive_expiry,
         )
@@ -457,7 +450,6 @@ __all__ = [
     "KEEPALIVE_EXPIRY_S",
     "POOL_TIMEOUT_S",
     "STALE_RESENDS",
-    "PoolConnector",
     "RawResponseStream",
     "RelayTransport",
     "UpstreamClient",

@@ -1,0 +1,387 @@
+"""The relay's own HTTP/1.1 client to the replicas: one asyncio protocol per connection, parsed
+by ``httptools`` (the C parser uvicorn already runs for the client side), pooled per replica.
+
+Why not the general client it replaces (aiohttp under httpx): a relayed token crossed four
+Python layers (aiohttp's protocol and stream reader, a read timer re-armed per read, two
+async generators) and woke the relay's task once per token. A measured floor on this machine
+(``docs/benchmarks.md``, "The relay's own client"): a bare protocol-to-transport relay costs
+22 µs of CPU per chunk; the same relay waking a task per chunk 37 µs, what the Rust router
+spends in all. So a body here is either read (``read``: the head of a stream, whole answers,
+everything unusual) or *pumped* (``pump``): each chunk goes to a handler synchronously, from
+the connection's own ``data_received``, and the relay writes it to the client there and then.
+
+What this client does not do, because the relay never asks it to: redirects, cookies,
+decompression, proxies, ``Expect: 100-continue``, HTTP/2. Errors are Tokenlane's own
+(``proxy.errors``), told apart by how far the exchange got, as ``upstream.py`` documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Callable
+
+import httptools
+
+from proxy.errors import (
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamNotHttp,
+    UpstreamReadTimeout,
+    UpstreamUnreached,
+)
+
+# A body held by a reader that is not reading (the client is slow, or the relay is busy with
+# a chunk it parses) stops the replica's socket being read past this, as aiohttp's did.
+HIGH_WATER = 256 * 1024
+_CRLF = b"\r\n"
+
+# A pumped chunk's handler returns None to go on; anything else stops the pump and is what
+# ``pump`` returns: the chunk itself when the handler declines it (the caller reads it the slow
+# way), or ``PAUSE`` when it took the chunk but the client's socket is full.
+Handler = Callable[[bytes], "bytes | None"]
+PAUSE = b""
+
+
+class H1Connection(asyncio.Protocol):
+    """One connection to a replica and the exchange on it (one at a time: no pipelining)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset_exchange()
+
+    def _reset_exchange(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head: asyncio.Future[None] | None = None
+        self.got_bytes = False  # any byte of an answer: the replica read the request
+        self.complete = False  # the whole message is in
+        self.keep_alive = False
+        self.length_known = False  # content-length or chunked: else the body ends at close
+        self.head_only = False  # the answer to a HEAD: no body whatever its headers say
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: UpstreamError | None = None
+        self.handler: Handler | None = None
+        self.declined: bytes | None = None  # what the handler gave back, delivered next
+        self.handler_error: Exception | None = None
+        self.paused = False
+        self.read_timeout: float | None = None
+        self.last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self.last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamNotHttp("the replica switched protocols"))
+        except httptools.HttpParserError as exc:
+            if self.head is not None and not self.head.done():
+                self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
+            else:
+                self._fail(UpstreamClosed(f"a broken body: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._stop_timer()
+        if self.complete or self.head is None:
+            return
+        if self.head.done() and not self.length_known and not self.head_only:
+            self.on_message_complete()  # a body delimited by the close (RFC 9112 6.3)
+            return
+        why = str(exc) if exc else "the replica closed the connection"
+        self._fail(UpstreamClosed(why or type(exc).__name__))
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+        lower = name.lower()
+        if lower == b"content-length" or (
+            lower == b"transfer-encoding" and b"chunked" in value.lower()
+        ):
+            self.length_known = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # an interim answer: the real one follows
+            self.headers = []
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(None)
+        if self.head_only or self.status in (204, 304):
+            self.keep_alive = False  # httptools would wait for a body that never comes
+            self.on_message_complete()
+
+    def on_body(self, body: bytes) -> None:
+        handler = self.handler
+        if handler is not None and self.declined is None:
+            try:
+                back = handler(body)
+            except Exception as exc:  # the relay's bug: raised in its task, not lost here
+                self.handler = None
+                self.handler_error = exc
+                self._wake()
+                return
+            if back is None:
+                return
+            self.handler = None
+            self.declined = back
+            self._wake()
+            return
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.complete:
+            return
+        self.complete = True
+        self._stop_timer()
+        self._wake()
+
+    # -- the exchange ----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.error is None:
+            self.error = error
+        self._stop_timer()
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(error)
+            head.exception()  # retrieved here: a failed head nobody awaits is no warning
+        self._wake()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _arm(self) -> None:
+        if self.read_timeout is not None and self._timer is None and not self.complete:
+            self._timer = self.loop.call_at(self.last_read + self.read_timeout, self._idle_check)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle_check(self) -> None:
+        """The read timeout, as a check of the last read rather than a timer re-armed on
+        every read: a token costs one attribute store, not a timer."""
+        self._timer = None
+        if self.complete or self.error is not None:
+            return
+        timeout = self.read_timeout
+        assert timeout is not None
+        silent = self.loop.time() - self.last_read
+        if silent >= timeout and not self.paused:
+            self._fail(UpstreamReadTimeout(f"nothing from the replica for {timeout:g}s"))
+            return
+        self._arm()
+
+    async def exchange(self, head: bytes, body: bytes, read_timeout: float | None) -> None:
+        """Send a request; return once its status line and headers are in."""
+        assert self.transport is not None
+        self.head = self.loop.create_future()
+        self.read_timeout = read_timeout
+        self.last_read = self.loop.time()
+        self._arm()
+        if body:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        await self.head
+
+    async def next_chunk(self) -> bytes:
+        """What has arrived of the body since the last call, joined; b"" at its end."""
+        while True:
+            if self.declined:  # a chunk a cancelled pump was handed back
+                chunk, self.declined = self.declined, None
+                return chunk
+            if self.chunks:
+                chunks = self.chunks
+                self.chunks = []
+                self.buffered = 0
+                if self.paused and self.transport is not None and not self.closed:
+                    self.paused = False
+                    self.last_read = self.loop.time()  # the replica was not silent: we were
+                    self.transport.resume_reading()
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return b""
+            await self._wait()
+
+    async def pump(self, handler: Handler) -> bytes | None:
+        """Hand each body chunk to ``handler`` as it arrives, synchronously. Returns what the
+        handler returned instead of None (it declined that chunk, or asks for a pause: its
+        business), or None at the body's end. Chunks read before come first."""
+        while True:
+            chunk = await self.next_chunk() if self.chunks else None
+            if chunk is not None:
+                if not chunk:
+                    return None
+                back = handler(chunk)
+                if back is not None:
+                    return back
+                continue
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return None
+            self.handler = handler
+            try:
+                await self._wait()
+            finally:
+                self.handler = None
+            if self.handler_error is not None:
+                error, self.handler_error = self.handler_error, None
+                raise error
+            if self.declined is not None:
+                back, self.declined = self.declined, None
+                return back
+
+    async def _wait(self) -> None:
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def reusable(self) -> bool:
+        return (
+            self.complete
+            and self.keep_alive
+            and self.error is None
+            and not self.closed
+            and not self.chunks
+            and self.declined is None
+        )
+
+    def close(self) -> None:
+        self.closed = True
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Origin:
+    """Where a replica listens, and its idle connections (most recently used last)."""
+
+    __slots__ = ("host", "host_header", "idle", "port", "ssl")
+
+    def __init__(self, scheme: str, host: str, port: int | None) -> None:
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if scheme == "https" else None
+        )
+        default = 443 if self.ssl is not None else 80
+        self.port = port or default
+        self.host = host
+        shown = f"[{host}]" if ":" in host else host
+        self.host_header = (shown if self.port == default else f"{shown}:{self.port}").encode()
+        self.idle: list[H1Connection] = []
+
+
+class H1Pool:
+    """Idle connections per replica, dropped after ``keepalive_expiry_s`` unused."""
+
+    def __init__(self, *, connect_timeout_s: float, keepalive_expiry_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self.origins: dict[tuple[str, str, int | None], Origin] = {}
+
+    def origin(self, scheme: str, host: str, port: int | None) -> Origin:
+        key = (scheme, host, port)
+        found = self.origins.get(key)
+        if found is None:
+            found = self.origins[key] = Origin(scheme, host, port)
+        return found
+
+    def take_idle(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> H1Connection | None:
+        idle = origin.idle
+        expired_before = loop.time() - self.keepalive_expiry_s
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.idle_since < expired_before or conn.transport is None:
+                conn.close()
+                continue
+            if conn.transport.is_closing():
+                conn.close()
+                continue
+            conn._reset_exchange()
+            return conn
+        return None
+
+    async def connect(self, origin: Origin) -> H1Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: H1Connection(loop),
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.host if origin.ssl is not None else None,
+                )
+        except TimeoutError:
+            raise UpstreamUnreached(f"no connection within {self.connect_timeout_s:g}s") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamUnreached(str(exc) or type(exc).__name__) from exc
+        return conn
+
+    def release(self, origin: Origin, conn: H1Connection) -> None:
+        """Back to the pool when the exchange ended cleanly; else closed."""
+        if conn.reusable():
+            conn.idle_since = conn.loop.time()
+            origin.idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for origin in self.origins.values():
+            for conn in origin.idle:
+                conn.close()
+            origin.idle.clear()
+
+
+def request_head(
+    method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], length: int | None
+) -> bytes:
+    """The request line and headers: the caller's, with Host and Content-Length of ours."""
+    parts = [method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", host, _CRLF]
+    for name, value in headers:
+        parts += (name, b": ", value, _CRLF)
+    if length is not None:
+        parts += (b"content-length: ", str(length).encode(), _CRLF)
+    parts.append(_CRLF)
+    return b"".join(parts)
+
+
+__all__ = ["HIGH_WATER", "PAUSE", "H1Connection", "H1Pool", "Handler", "Origin", "request_head"]
