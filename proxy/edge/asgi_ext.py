@@ -8,6 +8,7 @@ a start and its first body; a task per request listening for the disconnect).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 # A response start may carry its first body (``START_BODY``, ``START_MORE_BODY``): both leave
 # in one socket write instead of two, one TCP segment before the client sees content.
@@ -18,6 +19,28 @@ START_MORE_BODY = "tokenlane.more_body"
 # The server calls back when the client's connection is lost before the response is complete,
 # so a relay needs no task of its own waiting on ``receive()`` for ``http.disconnect``.
 CLIENT_GONE = "tokenlane.client_gone"
+
+
+# The server writes a started response's further body chunks when asked directly, not as ASGI
+# messages: a relay writes each chunk from its upstream connection's callback, with no task
+# woken per chunk (``relay/h1.py`` says what that saves). The value is the ``BodyWriter``.
+DIRECT_BODY = "tokenlane.direct_body"
+
+
+class BodyWriter(Protocol):
+    def direct(self) -> bool:
+        """Whether ``write_body`` may be used now: the response is started, chunked, and not
+        the answer to a HEAD (else the relay sends ASGI messages as ever)."""
+        ...
+
+    def write_body(self, data: bytes) -> bool:
+        """What ``send`` does with a non-empty body message that has more to come; False when
+        the client's socket is full (``drain`` before writing more)."""
+        ...
+
+    async def drain(self) -> None:
+        """Until the client's socket takes more (or the client is gone)."""
+        ...
 
 
 class ClientGoneHook:
@@ -36,4 +59,12 @@ class ClientGoneHook:
             callback()
 
 
-__all__ = ["CLIENT_GONE", "START_BODY", "START_MORE_BODY", "START_WITH_BODY", "ClientGoneHook"]
+__all__ = [
+    "CLIENT_GONE",
+    "DIRECT_BODY",
+    "START_BODY",
+    "START_MORE_BODY",
+    "START_WITH_BODY",
+    "BodyWriter",
+    "ClientGoneHook",
+]

@@ -28,6 +28,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from proxy.config import Policy, ServerConfig
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
+    DIRECT_BODY,
     START_BODY,
     START_MORE_BODY,
     START_WITH_BODY,
@@ -115,6 +116,28 @@ class CoalescingCycle(RequestResponseCycle):
             self.transport = transport
         if not self.disconnected:
             capture.flush()
+
+    # -- DIRECT_BODY (``asgi_ext.BodyWriter``) ---------------------------------------------
+
+    def direct(self) -> bool:
+        return (
+            self.response_started
+            and not self.response_complete
+            and self.chunked_encoding is True
+            and self.scope["method"] != "HEAD"
+        )
+
+    def write_body(self, data: bytes) -> bool:
+        # uvicorn's send for this one case: a chunk of a chunked body, more to come. A client
+        # gone already is skipped as send skips it (its relay is being cancelled).
+        if self.disconnected:
+            return True
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return not self.flow.write_paused
+
+    async def drain(self) -> None:
+        if not self.disconnected:
+            await self.flow.drain()
 
 
 class Edge:
@@ -332,7 +355,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             cycle.__class__ = CoalescingCycle
         if type(cycle) is CoalescingCycle:
             hook = ClientGoneHook()
-            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook}
+            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: cycle}
             theirs = self.scope.get("extensions")
             self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
             # Every request of the connection not answered yet: with pipelining, the one

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.config import Policy
 from proxy.edge import validate
-from proxy.edge.asgi_ext import CLIENT_GONE, START_WITH_BODY, ClientGoneHook
+from proxy.edge.asgi_ext import CLIENT_GONE, DIRECT_BODY, START_WITH_BODY, ClientGoneHook
 from proxy.edge.auth import Guard
 from proxy.errors import (
     ClientGone,
@@ -324,6 +324,7 @@ class RelayEndpoint:
             hook = ext.get(CLIENT_GONE)
             if hook is not None:
                 call.start_with_body = START_WITH_BODY in ext
+                call.body_writer = ext.get(DIRECT_BODY)
                 hook.callback = functools.partial(_client_gone, call, hook)
             else:
                 listener = asyncio.create_task(_listen_for_disconnect(receive, call))

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.edge.asgi_ext import BodyWriter
 from proxy.errors import Dialect
 from proxy.fleet.fleet import Replica
 from proxy.relay.retry import Phase
@@ -46,6 +47,9 @@ class Call:
     fields: dict[str, Any] | None = None
     task: asyncio.Task[Any] | None = None
     start_with_body: bool = False  # the server takes START_WITH_BODY
+    # The server's DIRECT_BODY writer: a started stream's chunks are written from the upstream
+    # connection's callback (``respond``, ``resume``). None: ASGI messages only.
+    body_writer: BodyWriter | None = None
     # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
     # free, when rate limits are off).
     extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()

@@ -65,6 +65,7 @@ class H1Connection(asyncio.Protocol):
         self.keep_alive = False
         self.length_known = False  # content-length or chunked: else the body ends at close
         self.head_only = False  # the answer to a HEAD: no body whatever its headers say
+        self.interim = False  # inside a 1xx answer
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.waiter: asyncio.Future[None] | None = None
@@ -87,6 +88,11 @@ class H1Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        if self.head is None or self.complete:
+            # Bytes with no request waiting for them (an idle connection, or past the end of
+            # an answer): not HTTP this client can place. The connection is not used again.
+            self.close()
+            return
         self.got_bytes = True
         self.last_read = self.loop.time()
         try:
@@ -122,8 +128,9 @@ class H1Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if 100 <= self.status < 200:  # an interim answer: the real one follows
+        if 100 <= self.status < 200:  # an interim answer (103): the real one follows
             self.headers = []
+            self.interim = True
             return
         self.keep_alive = self.parser.should_keep_alive()
         head = self.head
@@ -157,6 +164,9 @@ class H1Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         if self.complete:
             return
         self.complete = True

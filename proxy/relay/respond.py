@@ -16,16 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
+from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY, BodyWriter
 from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
 from proxy.fleet.fleet import Replica
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
+from proxy.relay.h1 import PAUSE
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import at_eof, raw_chunks
+from proxy.relay.upstream import at_eof, pump, raw_chunks
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -152,7 +153,6 @@ class Responder:
         send: Send,
         watchdog: asyncio.Timeout,
     ) -> None:
-        lane = call.lane
         chunks = raw_chunks(response)
         held: list[bytes] = []
         events = sse.EventBuffer()
@@ -211,28 +211,17 @@ class Responder:
         # A Responses stream's usage is in its last event, which repeats the whole answer:
         # only the whole stream is sure to hold that event's start (kept as parts, joined once).
         whole: list[bytes] | None = [body] if call.kind == "responses" else None
-        itl = metrics.series(metrics.inter_token, lane.name, attempt.replica.pool)
-        before = last = body  # the last two reads: the stream's end may straddle them
         if not ended:
-            async for chunk in chunks:
-                attempt.last_progress = time.monotonic()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                before, last = last, chunk
-                t2 = now()
-                if not found:
-                    found = True
-                    attempt.phase = Phase.CONTENT
-                    call.ttft_s = t2 - call.received_at
+            relayed = _Relayed(call, attempt, metrics, found, t, body)
+            if keep_tail:
+                relayed.keep(tail, whole)
+            while (back := await pump(response, relayed)) is not None:
+                if back:  # no direct writer: an ASGI message
+                    await send({"type": "http.response.body", "body": back, "more_body": True})
                 else:
-                    itl.observe(t2 - t)
-                t = t2
-                call.content_chunks += 1
-                if keep_tail:
-                    if whole is None:
-                        tail = (tail + chunk)[-2048:]
-                    else:
-                        whole.append(chunk)
-            cut_short = not sse.stream_complete(call.kind, before[-256:] + last)
+                    await relayed.drain()
+            tail = relayed.tail
+            cut_short = not sse.stream_complete(call.kind, relayed.before[-256:] + relayed.last)
             if not cut_short:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         if cut_short:
@@ -303,6 +292,74 @@ class Responder:
                 "more_body": False,
             }
         )
+
+
+class _Relayed:
+    """A started stream's further chunks, relayed from the upstream connection's callback
+    (``upstream.pump``): each is written to the client at once (the server's ``DIRECT_BODY``
+    writer) and noted (progress, TTFT or inter-token time, the tail for usage). Without a
+    direct writer each chunk is handed back, for the relay to send as an ASGI message."""
+
+    __slots__ = (
+        "attempt", "before", "call", "found", "itl", "keep_tail", "last", "t", "tail", "whole",
+        "writer",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        call: Call,
+        attempt: Attempt,
+        metrics: Metrics,
+        found: bool,
+        t: float,
+        body: bytes,
+    ) -> None:
+        self.call = call
+        self.attempt = attempt
+        self.itl = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
+        self.found = found
+        self.t = t
+        self.before = self.last = body  # the last two reads: the end may straddle them
+        writer = call.body_writer
+        self.writer: BodyWriter | None = writer if writer is not None and writer.direct() else None
+        self.keep_tail = False
+        self.tail = b""
+        self.whole: list[bytes] | None = None
+
+    def keep(self, tail: bytes, whole: list[bytes] | None) -> None:
+        """Keep the stream's last 2 KiB after ``tail``, or every chunk in ``whole``."""
+        self.keep_tail = True
+        self.tail = tail
+        self.whole = whole
+
+    def __call__(self, chunk: bytes) -> bytes | None:
+        attempt = self.attempt
+        attempt.last_progress = time.monotonic()
+        writer = self.writer
+        room = writer.write_body(chunk) if writer is not None else True
+        self.before, self.last = self.last, chunk
+        call = self.call
+        t2 = now()
+        if self.found:
+            self.itl.observe(t2 - self.t)
+        else:
+            self.found = True
+            attempt.phase = Phase.CONTENT
+            call.ttft_s = t2 - call.received_at
+        self.t = t2
+        call.content_chunks += 1
+        if self.keep_tail:
+            if self.whole is None:
+                self.tail = (self.tail + chunk)[-2048:]
+            else:
+                self.whole.append(chunk)
+        if writer is None:
+            return chunk
+        return None if room else PAUSE
+
+    async def drain(self) -> None:
+        if self.writer is not None:
+            await self.writer.drain()
 
 
 __all__ = ["HOP_BY_HOP", "Responder"]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from proxy.edge.asgi_ext import BodyWriter
 from proxy.errors import (
     AttemptFault,
     FailureKind,
@@ -36,9 +37,10 @@ from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
+from proxy.relay.h1 import PAUSE
 from proxy.relay.reprefill import Reprefills, Slot
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import raw_chunks
+from proxy.relay.upstream import pump, raw_chunks
 from proxy.routing.admission import Admission
 from proxy.routing.pick import CANARY_POLL_S
 
@@ -117,14 +119,14 @@ class Resumer:
         name = attempt.replica.name
         events = sse.EventBuffer()
         held: list[bytes] = []
-        found = False
         ended = False
         trigger: cont.Trigger | None = None
         why = ""
-        itl = self.metrics.series(self.metrics.inter_token, call.lane.name, attempt.replica.pool)
-        t = now()
+        # Ordinary token chunks after the start are relayed from the connection's callback;
+        # this loop sees the rest (``_TokenRelay``). ``flow`` holds what both share.
+        flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
         try:
-            async for chunk in raw_chunks(response):
+            async for chunk in _declined(response, flow):
                 attempt.last_progress = time.monotonic()
                 # An ordinary token chunk is relayed without parsing it: a read that is one
                 # (vLLM sends one event per token) skips the event split too.
@@ -188,33 +190,22 @@ class Resumer:
                 if not call.started:
                     held += out
                     if content:
-                        found = True
-                    if not (found or ended or trigger):
+                        flow.found = True
+                    if not (flow.found or ended or trigger):
                         continue
                     watchdog.reschedule(None)  # from here on the client has bytes: no retry
                     call.status = 200
                     call.started = True
-                    attempt.phase = Phase.CONTENT if found else Phase.STARTED
+                    attempt.phase = Phase.CONTENT if flow.found else Phase.STARTED
                     start = self.response_start(call, response, 200)
                     await self.send_start(call, send, start, b"".join(held), True)
-                    t = now()
-                    if found:
-                        call.ttft_s = t - call.received_at
-                        call.content_chunks = 1
+                    flow.started()
                 else:
                     if out:
                         await send({"type": "http.response.body", "body": b"".join(out),
                                     "more_body": True})  # fmt: skip
                     if content:
-                        t2 = now()
-                        if not found:
-                            found = True
-                            attempt.phase = Phase.CONTENT
-                            call.ttft_s = t2 - call.received_at
-                        else:
-                            itl.observe(t2 - t)
-                        t = t2
-                        call.content_chunks += 1
+                        flow.content()
                 if ended or trigger:
                     break
         except UpstreamError as exc:
@@ -247,7 +238,7 @@ class Resumer:
         if not call.started:
             # Ended before any content (only the role chunk, if that): as an ordinary fault.
             raise AttemptFault(Fault.CLOSED, why)
-        await self._continue(call, attempt, response, send, trigger, why, t)
+        await self._continue(call, attempt, response, send, trigger, why, flow.t)
 
     def _refused(self, call: Call, reason: cont.Refusal) -> None:
         self.metrics.continuation_refusals.labels(call.lane.name, reason.value).inc()
@@ -517,3 +508,83 @@ _FAULT_TRIGGER = {
     Fault.CLOSED: cont.Trigger.EOF,
     Fault.FIRST_TOKEN_TIMEOUT: cont.Trigger.STALL,
 }
+
+
+class _TokenRelay:
+    """An eligible stream's ordinary token chunks after its start (one event of the learned
+    template per read, ``Splice.token_chunk``), relayed from the upstream connection's
+    callback (``upstream.pump``): noted, their ids hidden when the client did not ask, and
+    written to the client at once. Anything else, and everything while the server offers no
+    direct writer, is handed back to ``Resumer.relay``'s loop. Also holds what that loop
+    shares with it: whether content was sent and when the last was."""
+
+    __slots__ = ("attempt", "call", "events", "found", "itl", "sp", "strip", "t", "writer")
+
+    def __init__(
+        self,
+        call: Call,
+        attempt: Attempt,
+        metrics: Metrics,
+        sp: cont.Splice,
+        events: sse.EventBuffer,
+        strip: bool,
+    ) -> None:
+        self.call = call
+        self.attempt = attempt
+        self.itl = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
+        self.sp = sp
+        self.events = events
+        self.strip = strip
+        self.found = False
+        self.t = now()
+        self.writer: BodyWriter | None = None
+
+    def started(self) -> None:
+        """The response started (its held chunks sent)."""
+        self.t = now()
+        call = self.call
+        if self.found:
+            call.ttft_s = self.t - call.received_at
+            call.content_chunks = 1
+        writer = call.body_writer
+        if writer is not None and writer.direct():
+            self.writer = writer
+
+    def content(self) -> None:
+        """A chunk with content went to the client."""
+        t2 = now()
+        if self.found:
+            self.itl.observe(t2 - self.t)
+        else:
+            self.found = True
+            self.attempt.phase = Phase.CONTENT
+            self.call.ttft_s = t2 - self.call.received_at
+        self.t = t2
+        self.call.content_chunks += 1
+
+    def __call__(self, chunk: bytes) -> bytes | None:
+        writer = self.writer
+        if writer is None or not self.events.empty:
+            return chunk
+        sp = self.sp
+        token = sp.token_chunk(chunk)
+        if token is None:
+            return chunk
+        self.attempt.last_progress = time.monotonic()
+        room = writer.write_body(sp.take_token(chunk, token, self.strip))
+        if token[2]:
+            self.content()
+        return None if room else PAUSE
+
+    async def drain(self) -> None:
+        if self.writer is not None:
+            await self.writer.drain()
+
+
+async def _declined(response: httpx.Response, flow: _TokenRelay) -> AsyncIterator[bytes]:
+    """The chunks ``flow`` hands back, in order, while it relays the others itself."""
+    while (back := await pump(response, flow)) is not None:
+        if back:
+            yield back
+        else:
+            await flow.drain()

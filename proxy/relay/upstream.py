@@ -445,6 +445,14 @@ def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
     return stream.__aiter__()
 
 
+async def pump(response: httpx.Response, handler: Handler) -> bytes | None:
+    """Hand the rest of ``response``'s body to ``handler`` chunk by chunk (``H1Connection.pump``:
+    None at the end, else what the handler returned)."""
+    stream = response.stream
+    assert isinstance(stream, RawResponseStream), "every response comes from RelayTransport"
+    return await stream.pump(handler)
+
+
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "KEEPALIVE_EXPIRY_S",
@@ -455,6 +463,7 @@ __all__ = [
     "UpstreamClient",
     "at_eof",
     "make_client",
+    "pump",
     "raw_chunks",
     "root_cause",
     "stale_resend_allowed",

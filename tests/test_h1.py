@@ -1,0 +1,270 @@
+"""The relay's own HTTP/1.1 client (``proxy/relay/h1.py``) over real sockets: bodies read and
+pumped, the handler's hand-backs and pauses, backpressure, the read timeout, framing corners
+and the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from proxy.errors import UpstreamClosed, UpstreamReadTimeout
+from proxy.relay import h1
+from proxy.relay.h1 import PAUSE
+from proxy.relay.upstream import RawResponseStream, UpstreamClient, pump, timeout_extension
+
+from .test_upstream import HEAD, client, listening, raw_server, read_body, send  # noqa: F401
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def connection_of(response: httpx.Response) -> h1.H1Connection:
+    stream = response.stream
+    assert isinstance(stream, RawResponseStream)
+    return stream._conn
+
+
+async def test_a_pumped_body_goes_to_the_handler_in_order_and_a_declined_chunk_comes_back(
+    client: UpstreamClient,
+) -> None:
+    step = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(b"a"))
+        await writer.drain()
+        for part in (b"b", b"stop", b"c", b"d"):
+            await step.wait()
+            step.clear()
+            writer.write(chunk(part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    seen: list[bytes] = []
+
+    def handler(data: bytes) -> bytes | None:
+        seen.append(data)
+        step.set()  # the server sends the next chunk only once this one was handled
+        return data if data == b"stop" else None
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url)
+        assert await pump(response, handler) == b"stop"
+        assert seen == [b"a", b"b", b"stop"]
+        # The chunks after a hand-back are kept for the next pump, in order.
+        assert await pump(response, handler) is None
+        assert seen == [b"a", b"b", b"stop", b"c", b"d"]
+        await response.aclose()
+
+
+async def test_pause_stops_the_pump_after_the_chunk_was_taken(client: UpstreamClient) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(b"one") + chunk(b"two") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    taken: list[bytes] = []
+
+    def handler(data: bytes) -> bytes | None:
+        taken.append(data)
+        return PAUSE
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url)
+        while (back := await pump(response, handler)) is not None:
+            assert back == PAUSE
+        # Each read was taken once; what arrived together may come joined.
+        assert b"".join(taken) == b"onetwo"
+        await response.aclose()
+
+
+async def test_a_handler_that_raises_raises_in_the_relays_task(client: UpstreamClient) -> None:
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"x"))
+        await writer.drain()
+        await reader.read()
+
+    def handler(data: bytes) -> bytes | None:
+        raise ValueError("a bug in the relay")
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url)
+        # Whether the chunk meets the handler in the connection's callback or in the pump's
+        # own loop (it came before the pump waited), the error is the task's.
+        task = asyncio.ensure_future(pump(response, handler))
+        release.set()
+        with pytest.raises(ValueError, match="a bug in the relay"):
+            await task
+        await response.aclose()
+
+
+async def test_a_reader_that_does_not_read_stops_the_socket_being_read(
+    client: UpstreamClient,
+) -> None:
+    big = b"x" * 65536
+    sent = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD)
+        for _ in range(64):  # 4 MiB, far past the high-water mark
+            writer.write(chunk(big))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        sent.set()
+        await reader.read()
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url, read=0.3)
+        conn = connection_of(response)
+
+        async def paused() -> bool:
+            while not conn.paused:
+                await asyncio.sleep(0.01)
+            return True
+
+        await asyncio.wait_for(paused(), 30)
+        assert conn.buffered <= h1.HIGH_WATER + 2 * len(big) + 1024
+        # Paused by us, not silent: the read timeout (0.3 s) does not fire meanwhile.
+        await asyncio.sleep(0.6)
+        assert conn.error is None
+        assert len(await read_body(response)) == 64 * len(big)
+        assert sent.is_set()
+        await response.aclose()
+
+
+async def test_silence_while_pumped_is_a_read_timeout(client: UpstreamClient) -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(b"data: a\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(stall) as (url, _):
+        response = await send(client, url, read=0.2)
+        with pytest.raises(UpstreamReadTimeout):
+            await pump(response, lambda data: None)
+        await response.aclose()
+
+
+async def test_a_reset_while_pumped_is_closed(client: UpstreamClient) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(b"data: a\n\n"))
+        await writer.drain()
+
+    async with raw_server(cut) as (url, _):
+        response = await send(client, url)
+        with pytest.raises(UpstreamClosed):
+            await pump(response, lambda data: None)
+        await response.aclose()
+
+
+async def test_framing_corners(client: UpstreamClient) -> None:
+    answers = {
+        # A body that ends with the connection (no length, not chunked).
+        b"/close": b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end",
+        # An interim answer first, then the real one.
+        b"/early": b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nreal",
+        b"/empty": b"HTTP/1.1 204 No Content\r\n\r\n",
+    }
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readuntil(b"\r\n")
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answers[line.split()[1]])
+        await writer.drain()
+        writer.close()
+
+    async with listening(serve) as url:
+        for path, status, body in (
+            (b"/close", 200, b"until the end"),
+            (b"/early", 200, b"real"),
+            (b"/empty", 204, b""),
+        ):
+            request = httpx.Request(
+                "GET", url + path.decode(), extensions={"timeout": timeout_extension(5.0)}
+            )
+            response = await client.transport.handle_async_request(request)
+            assert response.status_code == status, path
+            assert await read_body(response) == body, path
+            if path == b"/early":
+                assert (b"link", b"</a>") not in response.headers.raw
+            await response.aclose()
+
+
+async def test_a_head_answer_has_no_body_whatever_its_length(client: UpstreamClient) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with listening(serve) as url:
+        request = httpx.Request("HEAD", url + "/", extensions={"timeout": timeout_extension(2.0)})
+        response = await client.transport.handle_async_request(request)
+        assert response.status_code == 200
+        assert await read_body(response) == b""
+        await response.aclose()
+
+
+async def test_a_connection_is_reused_until_its_keep_alive_expires(
+    client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with listening(serve) as url:
+        for _ in range(3):
+            response = await send(client, url)
+            assert await read_body(response) == b"ok"
+            await response.aclose()
+        assert connections == 1
+        # Past the expiry an idle connection is dropped, not used (the replica may be closing
+        # it): the next request opens a new one.
+        pool = client.transport.pool
+        monkeypatch.setattr(pool, "keepalive_expiry_s", -1.0)
+        response = await send(client, url)
+        assert await read_body(response) == b"ok"
+        await response.aclose()
+        assert connections == 2
+
+
+async def test_a_body_left_unread_closes_its_connection(client: UpstreamClient) -> None:
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(HEAD + chunk(b"part"))  # never finished
+            await writer.drain()
+
+    async with listening(serve) as url:
+        for _ in range(2):
+            response = await send(client, url)
+            await response.aclose()  # the client left mid-body
+        assert connections == 2
