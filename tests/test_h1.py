@@ -5,6 +5,7 @@ and the pool."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -14,7 +15,16 @@ from proxy.relay import h1
 from proxy.relay.h1 import PAUSE
 from proxy.relay.upstream import RawResponseStream, UpstreamClient, pump, timeout_extension
 
-from .test_upstream import HEAD, client, listening, raw_server, read_body, send  # noqa: F401
+from .test_upstream import HEAD, counting_client, listening, raw_server, read_body, send
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c, _ = counting_client()
+    try:
+        yield c
+    finally:
+        await c.aclose()
 
 
 def chunk(data: bytes) -> bytes:
