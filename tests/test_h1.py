@@ -5,6 +5,8 @@ and the pool."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import httpx
@@ -278,3 +280,141 @@ async def test_a_body_left_unread_closes_its_connection(client: UpstreamClient) 
             response = await send(client, url)
             await response.aclose()  # the client left mid-body
         assert connections == 2
+
+
+async def test_paused_past_the_read_timeout_the_check_waits_instead_of_spinning(
+    client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = 0
+    check = h1.H1Connection._idle_check
+
+    def counting(conn: h1.H1Connection) -> None:
+        nonlocal checks
+        checks += 1
+        check(conn)
+
+    monkeypatch.setattr(h1.H1Connection, "_idle_check", counting)
+    big = b"x" * 65536
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(big) * 64 + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url, read=0.2)
+        conn = connection_of(response)
+        while not conn.paused:
+            await asyncio.sleep(0.01)
+        before = checks
+        await asyncio.sleep(1.0)  # five timeouts' worth, paused by us
+        assert checks - before <= 10  # one look per timeout, not one per loop iteration
+        assert conn.error is None
+        await response.aclose()
+
+
+async def test_a_second_answer_in_the_same_read_is_not_part_of_the_first(
+    client: UpstreamClient,
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi"
+            b"HTTP/1.1 500 Oops\r\ncontent-length: 3\r\nx-extra: 1\r\n\r\nbad"
+        )
+        await writer.drain()
+        await reader.read()
+
+    async with listening(serve) as url:
+        request = httpx.Request("GET", url + "/", extensions={"timeout": timeout_extension(2.0)})
+        response = await client.transport.handle_async_request(request)
+        assert await read_body(response) == b"hi"
+        assert response.status_code == 200
+        assert (b"x-extra", b"1") not in response.headers.raw
+        conn = connection_of(response)
+        await response.aclose()
+        assert conn.closed  # never pooled: what else it holds is unknown
+        assert all(not o.idle for o in client.transport.pool.origins.values())
+
+
+async def test_bytes_after_a_pumped_end_never_reach_the_handler(client: UpstreamClient) -> None:
+    go = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunk(b"a"))
+        await writer.drain()
+        await go.wait()
+        writer.write(b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nbad")
+        await writer.drain()
+        await reader.read()
+
+    seen: list[bytes] = []
+
+    def handler(data: bytes) -> bytes | None:
+        seen.append(data)
+        go.set()
+        return None
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url)
+        assert await pump(response, handler) is None
+        await response.aclose()
+    assert seen == [b"a"]
+
+
+async def test_a_chunk_handed_back_to_a_cancelled_pump_comes_first_next_time(
+    client: UpstreamClient,
+) -> None:
+    go, end = asyncio.Event(), asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        await go.wait()
+        writer.write(chunk(b"declined"))
+        await writer.drain()
+        await end.wait()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url)
+        conn = connection_of(response)
+        task: asyncio.Future[bytes | None] | None = None
+
+        def declining(data: bytes) -> bytes | None:
+            assert task is not None
+            task.cancel()  # in the same loop step (the client left): the pump never returns
+            return data
+
+        task = asyncio.ensure_future(pump(response, declining))
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert conn.declined == b"declined"
+        end.set()
+        while not conn.complete:
+            await asyncio.sleep(0.005)
+        got = []
+        while (back := await pump(response, lambda data: data)) is not None:
+            got.append(back)
+        await response.aclose()
+    assert got == [b"declined"]
+
+
+async def test_a_body_ended_by_a_reset_is_cut_not_whole(client: UpstreamClient) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")  # delimited by the close
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset, not a close
+
+    async with listening(serve) as url:
+        request = httpx.Request("GET", url + "/", extensions={"timeout": timeout_extension(2.0)})
+        response = await client.transport.handle_async_request(request)
+        with pytest.raises(UpstreamClosed):
+            await read_body(response)
+        await response.aclose()

@@ -1,10 +1,14 @@
 """One client connection as the gateway serves it: uvicorn's httptools protocol with
-TCP_NODELAY, the ``START_WITH_BODY`` and ``CLIENT_GONE`` extensions, and the edge bounds
+TCP_NODELAY, the ``START_WITH_BODY``, ``CLIENT_GONE`` and ``DIRECT_BODY`` extensions, and the edge bounds
 (``proxy.edge.bounds``) held per connection.
 
 The protocol finds what its server's connections share (``Edge``: the bounds in force and the
 refusal counters) through the app it serves: any object with a ``gateway`` that has ``policy``
 and ``metrics`` (``EdgeOwner``), so this module needs nothing of the composition root.
+
+Length: one job, the gateway's side of a client connection: the cycle's extensions
+(``START_WITH_BODY``, ``CLIENT_GONE``, ``DIRECT_BODY``) and the bounds share the protocol's
+state and its one timer, and change together when uvicorn moves.
 """
 
 from __future__ import annotations

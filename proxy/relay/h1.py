@@ -45,6 +45,10 @@ Handler = Callable[[bytes], "bytes | None"]
 PAUSE = b""
 
 
+class _Stray(Exception):
+    """Raised from the parser's callback at a message that begins after the answer ended."""
+
+
 class H1Connection(asyncio.Protocol):
     """One connection to a replica and the exchange on it (one at a time: no pipelining)."""
 
@@ -97,10 +101,14 @@ class H1Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
+        except _Stray:
+            self._stray()
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamNotHttp("the replica switched protocols"))
         except httptools.HttpParserError as exc:
-            if self.head is not None and not self.head.done():
+            if isinstance(exc.__context__, _Stray) or self.complete:
+                self._stray()  # garbage past the end: the answer itself is whole
+            elif self.head is not None and not self.head.done():
                 self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
             else:
                 self._fail(UpstreamClosed(f"a broken body: {exc}"))
@@ -110,13 +118,25 @@ class H1Connection(asyncio.Protocol):
         self._stop_timer()
         if self.complete or self.head is None:
             return
-        if self.head.done() and not self.length_known and not self.head_only:
-            self.on_message_complete()  # a body delimited by the close (RFC 9112 6.3)
+        if exc is None and self.head.done() and not self.length_known and not self.head_only:
+            # A body delimited by the close (RFC 9112 6.3): a clean one, not a reset.
+            self.on_message_complete()
             return
         why = str(exc) if exc else "the replica closed the connection"
         self._fail(UpstreamClosed(why or type(exc).__name__))
 
+    def _stray(self) -> None:
+        """Bytes past the end of the answer (a second answer, garbage): the answer stands, the
+        connection is not used again, and nothing past the end reaches the reader."""
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+
     # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Stray  # a message after the answer, in the same read
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
@@ -209,8 +229,11 @@ class H1Connection(asyncio.Protocol):
             return
         timeout = self.read_timeout
         assert timeout is not None
-        silent = self.loop.time() - self.last_read
-        if silent >= timeout and not self.paused:
+        now = self.loop.time()
+        if self.paused:  # we stopped reading, not the replica: look again a timeout later
+            self._timer = self.loop.call_at(now + timeout, self._idle_check)
+            return
+        if now - self.last_read >= timeout:
             self._fail(UpstreamReadTimeout(f"nothing from the replica for {timeout:g}s"))
             return
         self._arm()
@@ -253,8 +276,10 @@ class H1Connection(asyncio.Protocol):
         """Hand each body chunk to ``handler`` as it arrives, synchronously. Returns what the
         handler returned instead of None (it declined that chunk, or asks for a pause: its
         business), or None at the body's end. Chunks read before come first."""
+        if self.declined == PAUSE:  # a pause a cancelled pump never returned: over
+            self.declined = None
         while True:
-            chunk = await self.next_chunk() if self.chunks else None
+            chunk = await self.next_chunk() if self.chunks or self.declined else None
             if chunk is not None:
                 if not chunk:
                     return None
@@ -367,10 +392,16 @@ class H1Pool:
         return conn
 
     def release(self, origin: Origin, conn: H1Connection) -> None:
-        """Back to the pool when the exchange ended cleanly; else closed."""
+        """Back to the pool when the exchange ended cleanly; else closed. The oldest idle
+        connections past their expiry are closed here too: taking the most recent first, a
+        burst's surplus would otherwise stay open until the replica closed it."""
+        idle = origin.idle
         if conn.reusable():
-            conn.idle_since = conn.loop.time()
-            origin.idle.append(conn)
+            conn.idle_since = now = conn.loop.time()
+            expired_before = now - self.keepalive_expiry_s
+            while idle and idle[0].idle_since < expired_before:
+                idle.pop(0).close()
+            idle.append(conn)
         else:
             conn.close()
 

@@ -179,7 +179,8 @@ class RelayTransport(AiohttpTransport):
         """Send ``request``; raises only ``UpstreamError`` for what the exchange met."""
         url = request.url
         pool = self.pool
-        origin = pool.origin(url.scheme, url.host, url.port)
+        # The host as it goes on the wire (IDNA-encoded, without an IPv6 address's brackets).
+        origin = pool.origin(url.scheme, url.raw_host.decode("ascii").strip("[]"), url.port)
         stream = request.stream
         streamed = not isinstance(stream, httpx.ByteStream)
         if streamed:  # read whole, and never sent twice (it may not be readable again)
