@@ -1,6 +1,6 @@
 """One client connection as the gateway serves it: uvicorn's httptools protocol with
-TCP_NODELAY, the ``START_WITH_BODY``, ``CLIENT_GONE`` and ``DIRECT_BODY`` extensions, and the edge bounds
-(``proxy.edge.bounds``) held per connection.
+TCP_NODELAY, the ``START_WITH_BODY``, ``CLIENT_GONE`` and ``DIRECT_BODY`` extensions, and the
+edge bounds (``proxy.edge.bounds``) held per connection.
 
 The protocol finds what its server's connections share (``Edge``: the bounds in force and the
 refusal counters) through the app it serves: any object with a ``gateway`` that has ``policy``
