@@ -329,6 +329,12 @@ class UpstreamReadTimeout(UpstreamError):
     """Nothing arrived within the request's read timeout."""
 
 
+class StrayAnswer(TokenlaneError):
+    """Inside the relay's HTTP client only (``relay/h1.py``): raised from the parser's callback
+    at a message that begins after the answer ended, to stop the parse there. Never leaves
+    the client."""
+
+
 # -- the relay's attempts ---------------------------------------------------------------------
 
 

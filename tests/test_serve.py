@@ -22,6 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from loadtest.fake_upstream import running
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
+    DIRECT_BODY,
     START_BODY,
     START_MORE_BODY,
     START_WITH_BODY,
@@ -208,7 +209,7 @@ async def echo_extensions(scope: dict[str, Any], receive: Any, send: Any) -> Non
 async def test_scope_advertises_both_extensions_under_our_protocol() -> None:
     async with serve_app(asgi(echo_extensions), http=NoDelayHttpToolsProtocol) as url:
         first, second = (json.loads(r.body) for r in await exchange(url, get(), get()))
-    assert first["keys"] == sorted([START_WITH_BODY, CLIENT_GONE])
+    assert first["keys"] == sorted([START_WITH_BODY, CLIENT_GONE, DIRECT_BODY])
     assert first["hook"] == ClientGoneHook.__name__
     assert first["start_options"] == {}
     # Each request has its own hook: a callback set for one is never fired for the next.
@@ -562,3 +563,47 @@ def test_request_id_from_an_insane_client_id_replaces_it() -> None:
     for insane in (b"has space", b"A" * 129, b"new\nline", b'quote"', b"caf\xc3\xa9", b"a/b"):
         replaced = request_id_from(insane)
         assert re.fullmatch(r"[0-9a-f]{24}", replaced), insane
+
+
+# ---------------------------------------------------------------------------- DIRECT_BODY
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("framing", FRAMINGS)
+async def test_direct_body_writes_what_send_would_and_only_when_it_may(
+    framing: str, method: str
+) -> None:
+    parts = [b"data: a\n\n", b"data: " + b"x" * 70_000 + b"\n\n", b"data: [DONE]\n\n"]
+    whole = b"first" + b"".join(parts)
+    seen: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        writer = scope["extensions"][DIRECT_BODY]
+        seen.append(writer.direct())  # not started yet
+        headers = framing_headers(framing, len(whole))
+        await send_start_with_body(scope, send, headers, b"first", more_body=True)
+        direct = writer.direct()
+        seen.append(direct)
+        for part in parts:
+            if direct:
+                if not writer.write_body(part):
+                    await writer.drain()
+            else:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        seen.append(writer.direct())  # complete
+
+    request = get() if method == "GET" else get().replace(b"GET", b"HEAD", 1)
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        if method == "HEAD":
+            async with asyncio.timeout(30), connect(url) as (reader, writer):
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200")
+            assert seen == [False, False, False]  # a HEAD answer has no body to write
+            return
+        answers = await exchange(url, request, request)
+    for answer in answers:
+        check_framing(answer, framing, whole)
+    # Only a chunked body is written directly: with a Content-Length, send keeps the count.
+    assert seen == [False, framing == "chunked", False] * 2

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import httptools
 
 from proxy.errors import (
+    StrayAnswer,
     UpstreamClosed,
     UpstreamError,
     UpstreamNotHttp,
@@ -43,10 +44,6 @@ _CRLF = b"\r\n"
 # way), or ``PAUSE`` when it took the chunk but the client's socket is full.
 Handler = Callable[[bytes], "bytes | None"]
 PAUSE = b""
-
-
-class _Stray(Exception):
-    """Raised from the parser's callback at a message that begins after the answer ended."""
 
 
 class H1Connection(asyncio.Protocol):
@@ -101,12 +98,12 @@ class H1Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except _Stray:
+        except StrayAnswer:
             self._stray()
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamNotHttp("the replica switched protocols"))
         except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, _Stray) or self.complete:
+            if isinstance(exc.__context__, StrayAnswer) or self.complete:
                 self._stray()  # garbage past the end: the answer itself is whole
             elif self.head is not None and not self.head.done():
                 self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
@@ -136,7 +133,7 @@ class H1Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self.complete:
-            raise _Stray  # a message after the answer, in the same read
+            raise StrayAnswer  # a message after the answer, in the same read
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
