@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 
@@ -10,7 +11,8 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.observe.accesslog import record_of, write_line
+from proxy.observe import accesslog
+from proxy.observe.accesslog import flush_lines, record_of, write_line
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
 from proxy.observe.record import Recorder
@@ -177,3 +179,39 @@ def test_a_recorded_call_counts_and_teaches_only_what_it_carries(
     assert sample("tokenlane_prompt_tokens_estimated_total", {"pool": pool}) == estimated
     assert sample("tokenlane_prompt_tokens_reported_total", {"pool": pool}) == reported
     assert len(learner.seen) == lessons
+
+
+class CountingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once() -> None:
+    stream = CountingStream()
+    log = logging.getLogger("tokenlane.access.test-batch")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = accesslog.BatchedLines(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    try:
+        outcomes = Outcomes(lambda c, d, ts: write_line(c, d, ts, log), lambda: flush_lines(log))
+        outcomes.add(a_call("r-1"), 0.1)
+        outcomes.add(a_call("r-2"), 0.1)
+        assert stream.flushes == 0  # queued: nothing written yet
+        outcomes.flush()
+        lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+        assert [x["request_id"] for x in lines] == ["r-1", "r-2"]
+        assert stream.flushes == 1  # two lines, one flush
+        outcomes.flush()  # an empty batch flushes nothing
+        assert stream.flushes == 1
+        accesslog.write_refusal("/v1/chat/completions", 401, "r-3", "no key", 0.001, 0.0, log)
+        assert stream.flushes == 2
+        assert json.loads(stream.getvalue().splitlines()[-1])["status"] == 401
+    finally:
+        log.removeHandler(handler)

@@ -43,8 +43,8 @@ from proxy.errors import (
     internal_error,
     send_error,
 )
+from proxy.observe.accesslog import BatchedLines, write_refusal
 from proxy.observe.accesslog import logger as access_log
-from proxy.observe.accesslog import write_refusal
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
 
@@ -256,7 +256,7 @@ def configure_logging(level: str = "info") -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    handler = logging.StreamHandler(sys.stdout)
+    handler = BatchedLines(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     access_log.addHandler(handler)
     access_log.propagate = False

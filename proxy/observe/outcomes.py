@@ -26,8 +26,9 @@ Record = Callable[["Call", float, float], None]  # (call, duration_s, wall-clock
 
 
 class Outcomes:
-    def __init__(self, record: Record) -> None:
+    def __init__(self, record: Record, batch_done: Callable[[], None] = lambda: None) -> None:
         self.record = record
+        self.batch_done = batch_done  # after each batch (the access log's flush)
         self._queued: list[tuple[Call, float, float]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -53,6 +54,8 @@ class Outcomes:
         record = self.record
         for call, duration_s, ts in queued:
             record(call, duration_s, ts)
+        if queued:
+            self.batch_done()
 
     def close(self) -> None:
         """Record what waits; from now on every outcome is recorded at once (no timer is left
