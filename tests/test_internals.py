@@ -5,9 +5,9 @@ what to run before raising a bound. Each check fails with a message that says wh
 moved and which Tokenlane code depends on it, so an upgrade that would silently change retry
 semantics or the server's write path fails here first, by name.
 
-Behaviour over real sockets is checked elsewhere (tests/test_upstream.py: the exceptions aiohttp
-raises for each failure; tests/test_serve.py: the coalesced first write and the client-gone
-hook); here are the shapes those rely on.
+Behaviour over real sockets is checked elsewhere (tests/test_upstream.py and tests/test_h1.py:
+the errors each failure raises; tests/test_serve.py: the coalesced first write, the client-gone
+hook and the direct body writer); here are the shapes those rely on.
 """
 
 from __future__ import annotations
@@ -19,12 +19,17 @@ from dataclasses import dataclass
 from importlib import metadata
 
 import aiohttp
+import httptools
 import httpx
+import prometheus_client.metrics
+import prometheus_client.mmap_dict
+import prometheus_client.values
 import pytest
 import uvicorn
 import uvicorn.lifespan.on
 import uvicorn.server
-from httpx_aiohttp.transport import AiohttpResponseStream, AiohttpTransport
+from httpx_aiohttp.transport import AiohttpTransport
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 
@@ -79,24 +84,6 @@ def _exception_hierarchy() -> None:
     not_sub(aiohttp.ClientResponseError, aiohttp.ClientConnectionError)
 
 
-def _client_timeout() -> None:
-    t = aiohttp.ClientTimeout(sock_connect=1.0, sock_read=2.0, connect=3.0)
-    assert (t.sock_connect, t.sock_read, t.connect, t.total) == (1.0, 2.0, 3.0, None)
-
-
-def _stream_reader() -> None:
-    assert inspect.iscoroutinefunction(aiohttp.StreamReader.readany)
-    assert callable(aiohttp.StreamReader.at_eof)
-
-
-def _response_stream() -> None:
-    marker = object()
-    stream = AiohttpResponseStream(marker)  # type: ignore[arg-type]
-    assert stream._aiohttp_response is marker, "the aiohttp response is not _aiohttp_response"
-    assert isinstance(stream, httpx.AsyncByteStream)
-    source_has(AiohttpResponseStream.aclose, "_aiohttp_response")
-
-
 def _transport() -> None:
     made = object()
     transport = AiohttpTransport(limits=httpx.Limits(), client=lambda: made)
@@ -106,39 +93,68 @@ def _transport() -> None:
     source_has(AiohttpTransport.aclose, "self.client")
 
 
+def _response_parser() -> None:
+    class Seen:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def on_message_begin(self) -> None:
+            self.calls.append("begin")
+            if self.calls.count("begin") > 1:
+                raise KeyError("stop")
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.calls.append("header")
+
+        def on_headers_complete(self) -> None:
+            # Asked here, as H1Connection asks: after the message, the parser has moved on.
+            self.calls.append(f"head {parser.get_status_code()} {parser.should_keep_alive()}")
+
+        def on_body(self, body: bytes) -> None:
+            self.calls.append("body")
+
+        def on_message_complete(self) -> None:
+            self.calls.append("end")
+
+    seen = Seen()
+    parser = httptools.HttpResponseParser(seen)
+    # A callback's exception stops the parse and comes out of feed_data as a parser error
+    # whose context is the callback's exception.
+    with pytest.raises(httptools.HttpParserCallbackError) as raised:
+        parser.feed_data(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n")
+    assert isinstance(raised.value.__context__, KeyError)
+    is_sub(httptools.HttpParserCallbackError, httptools.HttpParserError)
+    assert_equal(seen.calls, ["begin", "header", "head 200 True", "body", "end", "begin"])
+    assert issubclass(httptools.HttpParserUpgrade, Exception)
+
+
+def _value_class() -> None:
+    source_has(prometheus_client.metrics.Counter._metric_init, "values.ValueClass(")
+    source_has(prometheus_client.metrics.Histogram._metric_init, "values.ValueClass(")
+    has_params(
+        prometheus_client.values.MutexValue.__init__,
+        "typ", "metric_name", "name", "labelnames", "labelvalues", "help_text",
+    )  # fmt: skip
+    has_params(prometheus_client.mmap_dict.mmap_key, "metric_name", "name", "labelnames")
+    for method in ("read_value", "write_value"):
+        assert callable(getattr(prometheus_client.mmap_dict.MmapedDict, method))
+
+
 INTERNALS = [
     Internal(
         "aiohttp",
         "exception hierarchy (SocketTimeoutError, ConnectionTimeoutError < ServerTimeoutError "
         "< ClientConnectionError; ClientConnectorError; ClientPayloadError, ClientResponseError "
         "outside ClientConnectionError)",
-        f"{UPSTREAM} _SENDING/_READING: whether a failed exchange reached the replica, which "
-        "decides whether the request may be retried",
+        f"{UPSTREAM} _SENDING/_READING: for WebSockets (plain requests raise Tokenlane's own "
+        "errors in relay/h1.py), whether a failed exchange reached the replica",
         _exception_hierarchy,
-    ),
-    Internal(
-        "aiohttp",
-        "ClientTimeout(sock_connect=, sock_read=, connect=) with total unset",
-        f"{UPSTREAM} RelayTransport._client_timeout: the read timeout is the stream idle watchdog",
-        _client_timeout,
-    ),
-    Internal(
-        "aiohttp",
-        "ClientSession.request(allow_redirects=, auto_decompress=, compress=, timeout=)",
-        f"{UPSTREAM} RelayTransport.handle_async_request: bytes relayed as the replica sent them",
-        lambda: has_params(
-            aiohttp.ClientSession._request,
-            "allow_redirects",
-            "auto_decompress",
-            "compress",
-            "timeout",
-        ),
     ),
     Internal(
         "aiohttp",
         "ClientSession(cookie_jar=, trust_env=, skip_auto_headers=), DummyCookieJar, "
         "TCPConnector(limit=, keepalive_timeout=)",
-        f"{UPSTREAM} _session_factory: no cookies, no headers of aiohttp's own, bounded pool",
+        f"{UPSTREAM} _session_factory (WebSockets): no cookies, no headers of aiohttp's own",
         lambda: (
             (
                 has_params(
@@ -150,42 +166,21 @@ INTERNALS = [
             and None
         ),
     ),
+    # -- httptools: the relay's own client (relay/h1.py) -----------------------------------------
     Internal(
-        "aiohttp",
-        "TCPConnector._get(key, traces) takes a pooled connection (None if none); connect() "
-        "calls it first",
-        f"{UPSTREAM} PoolConnector: whether a failed send went out on a pooled connection, "
-        "which decides whether it is sent again",
-        lambda: (
-            (
-                has_params(aiohttp.TCPConnector._get, "key", "traces"),
-                source_has(aiohttp.BaseConnector.connect, "await self._get(key, traces)"),
-            )
-            and None
-        ),
-    ),
-    Internal(
-        "aiohttp",
-        "StreamReader.readany() and at_eof()",
-        f"{UPSTREAM} RawResponseStream: one relayed chunk per socket read; a burst sent whole",
-        _stream_reader,
-    ),
-    Internal(
-        "aiohttp",
-        "aiohttp.client_proto.ResponseHandler (the upstream connection's protocol)",
-        "tests/test_relay.py test_tcp_nodelay_is_set_on_both_sides: finds upstream sockets",
-        lambda: is_sub(aiohttp.client_proto.ResponseHandler, object),
-    ),
-    Internal(
-        "httpx-aiohttp",
-        "AiohttpResponseStream(response)._aiohttp_response, and aclose() releasing it",
-        f"{UPSTREAM} RawResponseStream: reads and closes the aiohttp response under httpx's",
-        _response_stream,
+        "httptools",
+        "HttpResponseParser(protocol): on_message_begin, on_header, on_headers_complete, "
+        "on_body, on_message_complete callbacks; get_status_code(), should_keep_alive(); "
+        "HttpParserError, HttpParserUpgrade; a callback's exception stops the parse (raised as "
+        "HttpParserCallbackError, the exception its context)",
+        "proxy/relay/h1.py H1Connection: the answer's head, its body (pumped), its end, and "
+        "bytes past the end (StrayAnswer)",
+        _response_parser,
     ),
     Internal(
         "httpx-aiohttp",
         "AiohttpTransport(limits=, client=factory): .client, get_client(), aclose()",
-        f"{UPSTREAM} RelayTransport: the session made on first use, closed with the client",
+        f"{UPSTREAM} RelayTransport: the WebSockets' session made on first use, closed with it",
         _transport,
     ),
     # -- httpx -----------------------------------------------------------------------------------
@@ -222,6 +217,14 @@ INTERNALS = [
         ),
     ),
     # -- uvicorn: the server's protocol and cycle ------------------------------------------------
+    # -- prometheus-client: counters a restarted worker takes over --------------------------------
+    Internal(
+        "prometheus-client",
+        "values.ValueClass read whenever a series is made, called as MutexValue is; "
+        "mmap_dict.MmapedDict(path).read_value/write_value and mmap_key(...)",
+        "proxy/workers/kept.py: a worker's counters and histograms kept in its slot's file",
+        _value_class,
+    ),
     Internal(
         "uvicorn",
         "HttpToolsProtocol.connection_made(transport), connection_lost(exc), and "
@@ -257,6 +260,27 @@ INTERNALS = [
                     "self.response_complete = False",
                 ),
                 source_has(RequestResponseCycle.send, "self.transport.write("),
+            )
+            and None
+        ),
+    ),
+    Internal(
+        "uvicorn",
+        "RequestResponseCycle .response_started, .chunked_encoding, .flow (FlowControl: "
+        ".write_paused, drain()), and send() framing a chunk as b'%x\\r\\n' + body + b'\\r\\n'",
+        "proxy/edge/connection.py CoalescingCycle.direct/write_body/drain (DIRECT_BODY): a "
+        "started stream's chunks written from the upstream connection's callback",
+        lambda: (
+            (
+                source_has(
+                    RequestResponseCycle.__init__,
+                    "self.response_started = False",
+                    "self.chunked_encoding",
+                    "self.flow = flow",
+                ),
+                source_has(RequestResponseCycle.send, 'b"%x\\r\\n" % len(body), body, b"\\r\\n"'),
+                source_has(FlowControl.__init__, "self.write_paused = False"),
+                assert_equal(inspect.iscoroutinefunction(FlowControl.drain), True),
             )
             and None
         ),

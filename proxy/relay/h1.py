@@ -98,13 +98,12 @@ class H1Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except StrayAnswer:
-            self._stray()
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamNotHttp("the replica switched protocols"))
         except httptools.HttpParserError as exc:
+            # A callback's exception comes out as a parser error with it as the context.
             if isinstance(exc.__context__, StrayAnswer) or self.complete:
-                self._stray()  # garbage past the end: the answer itself is whole
+                self._stray()  # a message or garbage past the end: the answer itself is whole
             elif self.head is not None and not self.head.done():
                 self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
             else:
