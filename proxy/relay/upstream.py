@@ -375,7 +375,9 @@ def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bo
 def make_client(
     policy: Policy, *, on_stale_resend: Callable[[], None] = lambda: None
 ) -> UpstreamClient:
-    """The upstream client. The aiohttp transport ignores ``AsyncClient(limits=...)`` and
+    """The upstream client. Plain requests go over ``h1.H1Pool``, whose connections to a
+    replica are bounded by what admission lets in flight there (``max_in_flight``) plus the
+    health loop's. The aiohttp session (WebSockets) ignores ``AsyncClient(limits=...)`` and
     defaults to 100 connections, so it gets the limits itself, sized to what the policy can
     ever have in flight. ``on_stale_resend`` is called for each request sent again because
     its pooled connection had been closed under it."""
