@@ -5,6 +5,7 @@ and the pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -17,20 +18,35 @@ from proxy.relay import h1
 from proxy.relay.h1 import PAUSE
 from proxy.relay.upstream import RawResponseStream, UpstreamClient, pump, timeout_extension
 
-from .test_upstream import HEAD, counting_client, listening, raw_server, read_body, send
+from . import test_upstream
+from .test_upstream import HEAD, listening, raw_server, read_body, send
 
-
-@pytest.fixture
-async def client() -> AsyncIterator[UpstreamClient]:
-    c, _ = counting_client()
-    try:
-        yield c
-    finally:
-        await c.aclose()
+client = test_upstream.client  # the same fixture: a fresh upstream client per test
 
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+@contextlib.asynccontextmanager
+async def answering_each_request(answer: bytes) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server answering every request (a 2-byte body) on each connection with ``answer``;
+    yields its URL and the connections made to it so far (a list with one item, a count)."""
+    connections = [0]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(answer)
+            await writer.drain()
+
+    async with listening(serve) as url:
+        yield url, connections
 
 
 def connection_of(response: httpx.Response) -> h1.H1Connection:
@@ -230,26 +246,13 @@ async def test_a_head_answer_has_no_body_whatever_its_length(client: UpstreamCli
 async def test_a_connection_is_reused_until_its_keep_alive_expires(
     client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    connections = 0
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        while True:
-            try:
-                await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(2)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-
-    async with listening(serve) as url:
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    async with answering_each_request(ok) as (url, connections):
         for _ in range(3):
             response = await send(client, url)
             assert await read_body(response) == b"ok"
             await response.aclose()
-        assert connections == 1
+        assert connections == [1]
         # Past the expiry an idle connection is dropped, not used (the replica may be closing
         # it): the next request opens a new one.
         pool = client.transport.pool
@@ -257,29 +260,16 @@ async def test_a_connection_is_reused_until_its_keep_alive_expires(
         response = await send(client, url)
         assert await read_body(response) == b"ok"
         await response.aclose()
-        assert connections == 2
+        assert connections == [2]
 
 
 async def test_a_body_left_unread_closes_its_connection(client: UpstreamClient) -> None:
-    connections = 0
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        while True:
-            try:
-                await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(2)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            writer.write(HEAD + chunk(b"part"))  # never finished
-            await writer.drain()
-
-    async with listening(serve) as url:
+    # Each answer is never finished.
+    async with answering_each_request(HEAD + chunk(b"part")) as (url, connections):
         for _ in range(2):
             response = await send(client, url)
             await response.aclose()  # the client left mid-body
-        assert connections == 2
+        assert connections == [2]
 
 
 async def test_paused_past_the_read_timeout_the_check_waits_instead_of_spinning(

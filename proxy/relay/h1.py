@@ -3,12 +3,13 @@ by ``httptools`` (the C parser uvicorn already runs for the client side), pooled
 
 Why not the general client it replaces (aiohttp under httpx): a relayed token crossed four
 Python layers (aiohttp's protocol and stream reader, a read timer re-armed per read, two
-async generators) and woke the relay's task once per token. A measured floor on this machine
-(``docs/benchmarks.md``, "The relay's own client"): a bare protocol-to-transport relay costs
-22 µs of CPU per chunk; the same relay waking a task per chunk 37 µs, what the Rust router
-spends in all. So a body here is either read (``read``: the head of a stream, whole answers,
-everything unusual) or *pumped* (``pump``): each chunk goes to a handler synchronously, from
-the connection's own ``data_received``, and the relay writes it to the client there and then.
+async generators) and woke the relay's task once per token. ``loadtest/bench_floor.py``
+measures two bare relays on this machine: waking a task per chunk costs 8 to 17 µs of CPU
+more than writing the chunk from the connection's callback, a third to a half of all the
+Rust router spends per chunk (``docs/benchmarks.md``, "The relay's own client"). So a body
+here is either read (``next_chunk``: the head of a stream, whole answers, everything
+unusual) or *pumped* (``pump``): each chunk goes to a handler synchronously, from the
+connection's own ``data_received``, and the relay writes it to the client there and then.
 
 What this client does not do, because the relay never asks it to: redirects, cookies,
 decompression, proxies, ``Expect: 100-continue``, HTTP/2. Errors are Tokenlane's own
@@ -101,10 +102,11 @@ class H1Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamNotHttp("the replica switched protocols"))
         except httptools.HttpParserError as exc:
-            # A callback's exception comes out as a parser error with it as the context.
-            if isinstance(exc.__context__, StrayAnswer) or self.complete:
-                self._stray()  # a message or garbage past the end: the answer itself is whole
-            elif self.head is not None and not self.head.done():
+            if self.complete:
+                # A message or garbage past the end (``on_message_begin`` stops the parse at a
+                # second message): the answer stands; the connection is not used again.
+                self.close()
+            elif not self.head.done():
                 self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
             else:
                 self._fail(UpstreamClosed(f"a broken body: {exc}"))
@@ -120,13 +122,6 @@ class H1Connection(asyncio.Protocol):
             return
         why = str(exc) if exc else "the replica closed the connection"
         self._fail(UpstreamClosed(why or type(exc).__name__))
-
-    def _stray(self) -> None:
-        """Bytes past the end of the answer (a second answer, garbage): the answer stands, the
-        connection is not used again, and nothing past the end reaches the reader."""
-        self.keep_alive = False
-        if self.transport is not None:
-            self.transport.close()
 
     # -- httptools callbacks ---------------------------------------------------------------
 
@@ -328,7 +323,9 @@ class Origin:
 
     __slots__ = ("host", "host_header", "idle", "port", "ssl")
 
-    def __init__(self, scheme: str, host: str, port: int | None) -> None:
+    def __init__(self, scheme: str, raw_host: bytes, port: int | None) -> None:
+        # The host as it goes on the wire: IDNA-encoded, an IPv6 address without brackets.
+        host = raw_host.decode("ascii").strip("[]")
         self.ssl: ssl.SSLContext | None = (
             ssl.create_default_context() if scheme == "https" else None
         )
@@ -346,13 +343,14 @@ class H1Pool:
     def __init__(self, *, connect_timeout_s: float, keepalive_expiry_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_expiry_s = keepalive_expiry_s
-        self.origins: dict[tuple[str, str, int | None], Origin] = {}
+        self.origins: dict[tuple[str, bytes, int | None], Origin] = {}
 
-    def origin(self, scheme: str, host: str, port: int | None) -> Origin:
-        key = (scheme, host, port)
+    def origin(self, scheme: str, raw_host: bytes, port: int | None) -> Origin:
+        """A URL's origin (``httpx.URL``'s ``scheme``, ``raw_host``, ``port``), made once."""
+        key = (scheme, raw_host, port)
         found = self.origins.get(key)
         if found is None:
-            found = self.origins[key] = Origin(scheme, host, port)
+            found = self.origins[key] = Origin(scheme, raw_host, port)
         return found
 
     def take_idle(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> H1Connection | None:
@@ -360,10 +358,13 @@ class H1Pool:
         expired_before = loop.time() - self.keepalive_expiry_s
         while idle:
             conn = idle.pop()
-            if conn.closed or conn.idle_since < expired_before or conn.transport is None:
-                conn.close()
-                continue
-            if conn.transport.is_closing():
+            transport = conn.transport
+            if (
+                conn.closed
+                or conn.idle_since < expired_before
+                or transport is None
+                or (transport.is_closing())
+            ):
                 conn.close()
                 continue
             conn._reset_exchange()

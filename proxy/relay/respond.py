@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -185,7 +185,6 @@ class Responder:
             if found or ended:
                 break
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
-        metrics = self.metrics
         call.status = 200
         call.started = True
         attempt.phase = Phase.CONTENT if found else Phase.STARTED
@@ -197,13 +196,11 @@ class Responder:
             ended = at_eof(response)
             # The whole stream in the held reads, without its end: the replica closed early.
             cut_short = ended and not sse.stream_complete(call.kind, body)
+        relayed = _Relayed(call, attempt, self.metrics, found, body)
         await self.send_start(
             call, send, self.response_start(call, response, 200), body, not ended or cut_short
         )
-        t = now()
-        if found:
-            call.ttft_s = t - call.received_at
-            call.content_chunks = 1
+        relayed.started()
         # The stream's last bytes, for its usage (when the client asked for it) and, while
         # tracing, its finish reasons; nothing is kept otherwise.
         keep_tail = call.wants_usage or self.tracer is not None
@@ -212,14 +209,10 @@ class Responder:
         # only the whole stream is sure to hold that event's start (kept as parts, joined once).
         whole: list[bytes] | None = [body] if call.kind == "responses" else None
         if not ended:
-            relayed = _Relayed(call, attempt, metrics, found, t, body)
             if keep_tail:
                 relayed.keep(tail, whole)
-            while (back := await pump(response, relayed)) is not None:
-                if back:  # no direct writer: an ASGI message
-                    await send({"type": "http.response.body", "body": back, "more_body": True})
-                else:
-                    await relayed.drain()
+            async for chunk in relayed.handed_back(response):  # no direct writer: ASGI
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             tail = relayed.tail
             cut_short = not sse.stream_complete(call.kind, relayed.before[-256:] + relayed.last)
             if not cut_short:
@@ -294,34 +287,69 @@ class Responder:
         )
 
 
-class _Relayed:
-    """A started stream's further chunks, relayed from the upstream connection's callback
-    (``upstream.pump``): each is written to the client at once (the server's ``DIRECT_BODY``
-    writer) and noted (progress, TTFT or inter-token time, the tail for usage). Without a
-    direct writer each chunk is handed back, for the relay to send as an ASGI message."""
+class StreamFlow:
+    """A started stream's pace and its client writer, shared by the relay's loop and the
+    handler the upstream connection calls with each chunk (``upstream.pump``): whether content
+    was sent and when the last was, and the server's ``DIRECT_BODY`` writer once the response
+    has started (None: the handler hands every chunk back, to go out as an ASGI message).
+    Subclasses are the handlers (``__call__``)."""
 
-    __slots__ = (
-        "attempt", "before", "call", "found", "itl", "keep_tail", "last", "t", "tail", "whole",
-        "writer",
-    )  # fmt: skip
+    __slots__ = ("attempt", "call", "found", "itl", "t", "writer")
 
-    def __init__(
-        self,
-        call: Call,
-        attempt: Attempt,
-        metrics: Metrics,
-        found: bool,
-        t: float,
-        body: bytes,
-    ) -> None:
+    def __init__(self, call: Call, attempt: Attempt, metrics: Metrics, found: bool) -> None:
         self.call = call
         self.attempt = attempt
         self.itl = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
         self.found = found
-        self.t = t
-        self.before = self.last = body  # the last two reads: the end may straddle them
+        self.t = now()
+        self.writer: BodyWriter | None = None
+
+    def __call__(self, chunk: bytes) -> bytes | None:
+        raise NotImplementedError
+
+    def started(self) -> None:
+        """The response started, its first body sent: from now on chunks may go direct."""
+        self.t = now()
+        call = self.call
+        if self.found:
+            call.ttft_s = self.t - call.received_at
+            call.content_chunks = 1
         writer = call.body_writer
-        self.writer: BodyWriter | None = writer if writer is not None and writer.direct() else None
+        self.writer = writer if writer is not None and writer.direct() else None
+
+    def content(self) -> None:
+        """A chunk with content went to the client: TTFT or an inter-token time."""
+        t2 = now()
+        if self.found:
+            self.itl.observe(t2 - self.t)
+        else:
+            self.found = True
+            self.attempt.phase = Phase.CONTENT
+            self.call.ttft_s = t2 - self.call.received_at
+        self.t = t2
+        self.call.content_chunks += 1
+
+    async def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        """The rest of ``response``'s body pumped through this handler: the chunks it hands
+        back, in order; a full client socket is drained here."""
+        while (back := await pump(response, self)) is not None:
+            if back:
+                yield back
+            elif self.writer is not None:
+                await self.writer.drain()
+
+
+class _Relayed(StreamFlow):
+    """A plain stream's further chunks: each written to the client at once and noted
+    (progress, pace, the tail for usage)."""
+
+    __slots__ = ("before", "keep_tail", "last", "tail", "whole")
+
+    def __init__(
+        self, call: Call, attempt: Attempt, metrics: Metrics, found: bool, body: bytes
+    ) -> None:
+        super().__init__(call, attempt, metrics, found)
+        self.before = self.last = body  # the last two reads: the end may straddle them
         self.keep_tail = False
         self.tail = b""
         self.whole: list[bytes] | None = None
@@ -333,21 +361,11 @@ class _Relayed:
         self.whole = whole
 
     def __call__(self, chunk: bytes) -> bytes | None:
-        attempt = self.attempt
-        attempt.last_progress = time.monotonic()
+        self.attempt.last_progress = time.monotonic()
         writer = self.writer
         room = writer.write_body(chunk) if writer is not None else True
         self.before, self.last = self.last, chunk
-        call = self.call
-        t2 = now()
-        if self.found:
-            self.itl.observe(t2 - self.t)
-        else:
-            self.found = True
-            attempt.phase = Phase.CONTENT
-            call.ttft_s = t2 - call.received_at
-        self.t = t2
-        call.content_chunks += 1
+        self.content()
         if self.keep_tail:
             if self.whole is None:
                 self.tail = (self.tail + chunk)[-2048:]
@@ -357,9 +375,5 @@ class _Relayed:
             return chunk
         return None if room else PAUSE
 
-    async def drain(self) -> None:
-        if self.writer is not None:
-            await self.writer.drain()
 
-
-__all__ = ["HOP_BY_HOP", "Responder"]
+__all__ = ["HOP_BY_HOP", "Responder", "StreamFlow"]

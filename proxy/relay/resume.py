@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.edge.asgi_ext import BodyWriter
 from proxy.errors import (
     AttemptFault,
     FailureKind,
@@ -39,8 +38,9 @@ from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.h1 import PAUSE
 from proxy.relay.reprefill import Reprefills, Slot
+from proxy.relay.respond import StreamFlow
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import pump, raw_chunks
+from proxy.relay.upstream import raw_chunks
 from proxy.routing.admission import Admission
 from proxy.routing.pick import CANARY_POLL_S
 
@@ -126,7 +126,7 @@ class Resumer:
         # this loop sees the rest (``_TokenRelay``). ``flow`` holds what both share.
         flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
         try:
-            async for chunk in _declined(response, flow):
+            async for chunk in flow.handed_back(response):
                 attempt.last_progress = time.monotonic()
                 # An ordinary token chunk is relayed without parsing it: a read that is one
                 # (vLLM sends one event per token) skips the event split too.
@@ -510,15 +510,13 @@ _FAULT_TRIGGER = {
 }
 
 
-class _TokenRelay:
+class _TokenRelay(StreamFlow):
     """An eligible stream's ordinary token chunks after its start (one event of the learned
-    template per read, ``Splice.token_chunk``), relayed from the upstream connection's
-    callback (``upstream.pump``): noted, their ids hidden when the client did not ask, and
-    written to the client at once. Anything else, and everything while the server offers no
-    direct writer, is handed back to ``Resumer.relay``'s loop. Also holds what that loop
-    shares with it: whether content was sent and when the last was."""
+    template per read, ``Splice.token_chunk``): noted, their ids hidden when the client did
+    not ask, and written to the client at once. Anything else, and everything while the
+    server offers no direct writer, is handed back to ``Resumer.relay``'s loop."""
 
-    __slots__ = ("attempt", "call", "events", "found", "itl", "sp", "strip", "t", "writer")
+    __slots__ = ("events", "sp", "strip")
 
     def __init__(
         self,
@@ -529,38 +527,10 @@ class _TokenRelay:
         events: sse.EventBuffer,
         strip: bool,
     ) -> None:
-        self.call = call
-        self.attempt = attempt
-        self.itl = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
+        super().__init__(call, attempt, metrics, found=False)
         self.sp = sp
         self.events = events
         self.strip = strip
-        self.found = False
-        self.t = now()
-        self.writer: BodyWriter | None = None
-
-    def started(self) -> None:
-        """The response started (its held chunks sent)."""
-        self.t = now()
-        call = self.call
-        if self.found:
-            call.ttft_s = self.t - call.received_at
-            call.content_chunks = 1
-        writer = call.body_writer
-        if writer is not None and writer.direct():
-            self.writer = writer
-
-    def content(self) -> None:
-        """A chunk with content went to the client."""
-        t2 = now()
-        if self.found:
-            self.itl.observe(t2 - self.t)
-        else:
-            self.found = True
-            self.attempt.phase = Phase.CONTENT
-            self.call.ttft_s = t2 - self.call.received_at
-        self.t = t2
-        self.call.content_chunks += 1
 
     def __call__(self, chunk: bytes) -> bytes | None:
         writer = self.writer
@@ -575,16 +545,3 @@ class _TokenRelay:
         if token[2]:
             self.content()
         return None if room else PAUSE
-
-    async def drain(self) -> None:
-        if self.writer is not None:
-            await self.writer.drain()
-
-
-async def _declined(response: httpx.Response, flow: _TokenRelay) -> AsyncIterator[bytes]:
-    """The chunks ``flow`` hands back, in order, while it relays the others itself."""
-    while (back := await pump(response, flow)) is not None:
-        if back:
-            yield back
-        else:
-            await flow.drain()

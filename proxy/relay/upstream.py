@@ -179,8 +179,7 @@ class RelayTransport(AiohttpTransport):
         """Send ``request``; raises only ``UpstreamError`` for what the exchange met."""
         url = request.url
         pool = self.pool
-        # The host as it goes on the wire (IDNA-encoded, without an IPv6 address's brackets).
-        origin = pool.origin(url.scheme, url.raw_host.decode("ascii").strip("[]"), url.port)
+        origin = pool.origin(url.scheme, url.raw_host, url.port)
         stream = request.stream
         streamed = not isinstance(stream, httpx.ByteStream)
         if streamed:  # read whole, and never sent twice (it may not be readable again)
