@@ -58,16 +58,15 @@ def per_event_path(
 
 def per_token_chunk(target_s: float) -> float:
     """µs per event of the unparsed path: an ordinary token chunk of the stream's learned
-    template (``Splice.token_chunk``, then ``take_token``: its ids noted, then nulled)."""
+    template (``Splice.take_chunk``: its ids noted, then nulled)."""
     splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
     splice.learn_template(CHUNK, json.loads(CHUNK[6:]))
     events = sse.EventBuffer()
     data = CHUNK + b"\n\n"
 
     def one() -> None:
-        token = splice.token_chunk(data) if events.empty else None
+        token = splice.take_chunk(data, True) if events.empty else None
         assert token is not None
-        splice.take_token(data, token, True)
         del splice.ids[:]
 
     return per_call_us(one, target_s)

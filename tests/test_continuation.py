@@ -15,6 +15,13 @@ from loadtest.fake_upstream import MODEL, running
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
 from proxy.config import ContinuationConfig
+from proxy.edge.asgi_ext import (
+    CLIENT_GONE,
+    START_BODY,
+    START_MORE_BODY,
+    START_WITH_BODY,
+    ClientGoneHook,
+)
 from proxy.relay.continuation import (
     _REFUSAL_WHY,
     Refusal,
@@ -22,6 +29,7 @@ from proxy.relay.continuation import (
     Trigger,
     eligibility,
     explain,
+    forward_body,
     strip_ids,
 )
 from proxy.relay.reprefill import Reprefills, has_room
@@ -116,6 +124,25 @@ def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:
 )  # fmt: skip
 def test_strip_ids_only_touches_the_id_lists(event: bytes, want: bytes) -> None:
     assert strip_ids(event) == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        # The client's bytes kept as they came (spacing, escapes, number spellings), the flag
+        # added before the closing brace.
+        (b'{"messages": [{"role":"user","content":"caf\\u00e9"}], "temperature": 1e0}\n',
+         b'{"messages": [{"role":"user","content":"caf\\u00e9"}], "temperature": 1e0'
+         b',"return_token_ids":true}\n'),
+        (b'  {"prompt":"x"}  ', b'  {"prompt":"x","return_token_ids":true}  '),
+        # The client named the flag itself: encoded afresh, the flag set.
+        (b'{"prompt":"x","return_token_ids":false}', b'{"prompt":"x","return_token_ids":true}'),
+    ],
+)  # fmt: skip
+def test_the_forwarded_body_is_the_clients_bytes_asking_for_ids(raw: bytes, want: bytes) -> None:
+    out = forward_body(raw, json.loads(raw))
+    assert out == want
+    assert json.loads(out) == {**json.loads(raw), "return_token_ids": True}
 
 
 def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> None:
@@ -570,3 +597,41 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
     assert not probing(set(), pinned="b")  # pinned elsewhere
     pools["p"].replicas = [dead]
     assert not probing(set())  # a dead replica probes for ever: not worth the wait
+
+
+async def test_an_eligible_stream_whole_in_one_read_goes_out_in_one_message() -> None:
+    """Continuation on, a 64-token stream that comes in one read (as the overhead benchmark's
+    mock sends it): the response start carries the whole body and its end, one socket write
+    under the gateway's server, as a plain stream's does; the ids are hidden."""
+    async with (
+        running() as up,
+        running_gateway(policy_for({"p": [up.url]}, continuation={"enabled": True})) as (_, app),
+    ):
+        body = json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        ).encode()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"host", b"gw")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+            "extensions": {START_WITH_BODY: {}, CLIENT_GONE: ClientGoneHook()},
+        }  # fmt: skip
+        await app(scope, receive, send)
+        # Eligible: asked for the ids, the client's bytes otherwise as they came.
+        assert up.stats.raw_bodies[-1] == body[:-1] + b',"return_token_ids":true}'
+    (start,) = sent
+    assert start["type"] == "http.response.start" and start[START_MORE_BODY] is False
+    events = data_events(start[START_BODY].decode())
+    assert events[-1] == "[DONE]"
+    assert sum(1 for e in events[:-1] if e["choices"]) == 66  # role, 64 tokens, finish
+    assert b'"token_ids":[' not in start[START_BODY]

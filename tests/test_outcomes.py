@@ -191,13 +191,20 @@ class CountingStream(io.StringIO):
         super().flush()
 
 
-async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once() -> None:
+@pytest.mark.parametrize("prefix", [None, "line "])
+async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once(
+    prefix: str | None,
+) -> None:
+    """As made, the handler is written to directly; given a formatter, through log records
+    that it formats: the same lines either way."""
     stream = CountingStream()
     log = logging.getLogger("tokenlane.access.test-batch")
     log.propagate = False
     log.setLevel(logging.INFO)
     handler = accesslog.BatchedLines(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    if prefix is not None:
+        handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    assert handler.plain is (prefix is None)
     log.addHandler(handler)
     try:
         outcomes = Outcomes(lambda c, d, ts: write_line(c, d, ts, log), lambda: flush_lines(log))
@@ -205,13 +212,22 @@ async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once() -
         outcomes.add(a_call("r-2"), 0.1)
         assert stream.flushes == 0  # queued: nothing written yet
         outcomes.flush()
-        lines = [json.loads(x) for x in stream.getvalue().splitlines()]
+        text = stream.getvalue()
+        if prefix is not None:
+            assert text.startswith(prefix)
+            text = text.replace(prefix, "")
+        lines = [json.loads(x) for x in text.splitlines()]
         assert [x["request_id"] for x in lines] == ["r-1", "r-2"]
         assert stream.flushes == 1  # two lines, one flush
         outcomes.flush()  # an empty batch flushes nothing
         assert stream.flushes == 1
         accesslog.write_refusal("/v1/chat/completions", 401, "r-3", "no key", 0.001, 0.0, log)
         assert stream.flushes == 2
-        assert json.loads(stream.getvalue().splitlines()[-1])["status"] == 401
+        last = stream.getvalue().splitlines()[-1].removeprefix(prefix or "")
+        assert json.loads(last)["status"] == 401
+        handler.setLevel(logging.WARNING)  # the handler's own level holds on either path
+        outcomes.add(a_call("r-4"), 0.1)
+        outcomes.flush()
+        assert "r-4" not in stream.getvalue()
     finally:
         log.removeHandler(handler)

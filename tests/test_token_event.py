@@ -1,5 +1,5 @@
-"""The continuation relay's unparsed path (``Splice.learn_template``, ``token_chunk`` and
-``take_token``): an ordinary token chunk read without parsing it must note exactly what parsing
+"""The continuation relay's unparsed path (``Splice.learn_template``, ``take_chunk`` and
+``take_event``): an ordinary token chunk read without parsing it must note exactly what parsing
 it would, and be relayed exactly as ``strip_ids`` would write it; anything else is left to
 the parser."""
 
@@ -64,9 +64,9 @@ def both_ways(ev: bytes, kind: str) -> tuple[Any, Any]:
     """(what parsing notes and writes, what the unparsed path notes and writes)."""
     parsed, fast = learned(kind), learned(kind)
     parsed.observe(json.loads(ev[6:]))
-    found = fast.token_chunk(ev + b"\n\n")
+    found = fast.take_chunk(ev + b"\n\n", True)
     assert found is not None, ev
-    out = fast.take_token(ev + b"\n\n", found, True)[:-2]  # what goes to the client
+    out = found[0][:-2]  # what goes to the client
     return (note(parsed), strip_ids(ev)), (note(fast), out)
 
 
@@ -105,24 +105,32 @@ def both_ways(ev: bytes, kind: str) -> tuple[Any, Any]:
 )
 def test_only_ordinary_token_chunks_go_unparsed(event: bytes, kind: str, taken: Any) -> None:
     sp = learned(kind)
-    found = sp.token_chunk(event + b"\n\n")
+    found = sp.take_chunk(event + b"\n\n", False)
     if taken is None:
         assert found is None
+        assert sp.ids == [7]  # nothing noted: the parser notes it
         return
     assert found is not None
-    sp.take_token(event + b"\n\n", found, False)
-    assert (found[2], sp.ids) == taken
+    assert found[0] == event + b"\n\n"  # relayed as it came: the client asked for the ids
+    assert (found[1], sp.ids) == taken
 
 
 def test_two_events_in_one_read_are_not_one_token_chunk_but_each_is_one() -> None:
     sp = learned()
     two = chat_chunk("a", [1]) + b"\n\n" + chat_chunk("b", [2]) + b"\n\n"
-    assert sp.token_chunk(two) is None
+    assert sp.take_chunk(two, False) is None
+    assert sp.ids == [7]
     for ev in two.split(b"\n\n")[:2]:
-        found = sp.token_event(ev)
-        assert found is not None
-        sp.take_token(ev, found, False)
+        assert sp.take_event(ev, False) == (ev + b"\n\n", True)
     assert sp.ids == [7, 1, 2]
+
+
+def test_a_read_that_stops_before_its_events_end_is_not_a_token_chunk() -> None:
+    """Its ``\\n\\n`` may be in the next read: taken now, the event would end twice."""
+    sp = learned()
+    assert sp.take_chunk(chat_chunk("a", [1]), True) is None
+    assert sp.take_chunk(chat_chunk("a", [1]) + b"\n", True) is None
+    assert sp.ids == [7]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +159,7 @@ def test_the_simulators_chunks_are_learned_and_read_unparsed() -> None:
         second = w.token(0, " there", 3, 2, ids=[8, 9]).encode()
         sp = Splice(kind, BODY, False)
         sp.learn_template(first[:-2], json.loads(first[6:-2]))
-        assert sp.token_chunk(second) is not None, kind
+        assert sp.take_chunk(second, True) is not None, kind
 
 
 # Text that looks like the keys and bytes the unparsed path looks for.
@@ -164,7 +172,7 @@ TEXT = st.lists(st.one_of(st.text(max_size=5), TRICKY), max_size=6).map("".join)
 @given(text=TEXT, ids=st.lists(st.integers(0, 2**31), max_size=4))
 def test_the_unparsed_path_notes_and_writes_what_parsing_does(text: str, ids: list[int]) -> None:
     for ev, kind in ((chat_chunk(text, ids), "chat"), (completion_chunk(text, ids), "completion")):
-        if learned(kind).token_chunk(ev + b"\n\n") is None:
+        if learned(kind).take_chunk(ev + b"\n\n", True) is None:
             assert '"' in text or text.endswith("\\"), text  # only these are left to parsing
             continue
         parsed, fast = both_ways(ev, kind)

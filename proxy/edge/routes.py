@@ -256,8 +256,7 @@ def configure_logging(level: str = "info") -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    handler = BatchedLines(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler = BatchedLines(sys.stdout)  # the message as it is
     access_log.addHandler(handler)
     access_log.propagate = False
     other = logging.StreamHandler(sys.stderr)

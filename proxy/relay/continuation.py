@@ -194,8 +194,19 @@ _REFUSAL_WHY = {
 }
 
 
-def forward_body(body: dict[str, Any]) -> bytes:
-    """The eligible request as sent upstream: asking for token ids."""
+_JSON_SPACE = b" \t\r\n"
+_ASK_IDS = b',"return_token_ids":true}'
+
+
+def forward_body(raw: bytes, body: dict[str, Any]) -> bytes:
+    """The eligible request as sent upstream, asking for token ids: the client's bytes
+    (``raw``, parsed as ``body``) with the flag added before the object's closing brace, every
+    other byte as the client sent it, and no re-encoding of a long prompt. Encoded afresh only
+    when the client named the flag itself (as false: true is a client that sees the ids)."""
+    if body and "return_token_ids" not in body:
+        text = raw.rstrip(_JSON_SPACE)  # the edge parsed ``raw`` as an object: it ends in "}"
+        if text.endswith(b"}"):
+            return text[:-1] + _ASK_IDS + raw[len(text) :]
     return json.dumps({**body, "return_token_ids": True}, separators=_COMPACT).encode()
 
 
@@ -210,12 +221,13 @@ _ID_BYTES = b"0123456789, \t\r\n"
 # stream alike: the same head (id, object, created, model, the choice's index), the text as a
 # JSON string, the same tail (logprobs, finish_reason, ... up to token_ids), then the ids. The
 # first such chunk, parsed and checked, gives the head and tail (``Splice.learn_template``);
-# a later chunk with that head and tail and a text holding no quote is one (``token_chunk``).
+# a later chunk with that head and tail and a text holding no quote is one (``take_event``).
 # Anything else (the role chunk, a finish, an error, tool calls, reasoning, usage, a text
 # with a quote, two events in one read) is parsed.
 _TEMPLATE_MARK = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
 _TOKEN_IDS = b'"token_ids":['
 _TOKEN_END = b"]}]}"  # the ids' list, the choice, the choices, the chunk
+_NULLED_END = b"null}]}\n\n"  # the same end, the ids nulled, the event ended
 _TOP_KEYS = frozenset(("id", "object", "created", "model", "choices"))
 _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason", "stop_reason",
                           "prompt_token_ids", "token_ids"))  # fmt: skip
@@ -389,18 +401,23 @@ class Splice:
         self.head = event[:start]
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
 
-    def token_chunk(self, chunk: bytes) -> tuple[int, int, bool] | None:
-        """``token_event`` of a read that is one whole event, its ``\\n\\n`` included."""
+    def take_chunk(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
+        """``take_event`` of a read that is one whole event, its ``\\n\\n`` included (a read
+        that stops short of it is not one: its end may still come)."""
         if not chunk.endswith(b"\n\n"):
             return None
-        return self.token_event(chunk, len(chunk) - 2)
+        return self._take(chunk, len(chunk) - 2, strip)
 
-    def token_event(self, event: bytes, end: int | None = None) -> tuple[int, int, bool] | None:
-        """(where the ids' list opens, where it closes, whether there is text) when
-        ``event[:end]`` is one ordinary token chunk of the learned template; else None."""
+    def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
+        """Note ``event`` (split from a read, without its ``\\n\\n``) when it is an ordinary
+        token chunk of the learned template, as ``observe`` would note it without parsing it;
+        (the event as it goes to the client, ``\\n\\n`` ended and its ids nulled when
+        ``strip``, whether it holds text). None when it is not one: it is to be parsed."""
+        return self._take(event, len(event), strip)
+
+    def _take(self, event: bytes, end: int, strip: bool) -> tuple[bytes, bool] | None:
+        # One pass of bytes methods, no call per check: this runs for every token.
         head = self.head
-        if end is None:
-            end = len(event)
         if head is None or not event.startswith(head) or not event.endswith(_TOKEN_END, 0, end):
             return None
         h = len(head)
@@ -409,27 +426,21 @@ class Splice:
         # its end (the tail's quote would be escaped): else parsed.
         if t < h or event.find(b'"', h, t) >= 0 or (t > h and event[t - 1] == 0x5C):
             return None
-        opens = t + len(self.tail) - 1
-        closes = end - 4
-        ids = event[opens + 1 : closes]
-        if not plain_id(ids) and not plain_ids(ids):  # one id: the common case
-            return None
-        return opens, closes, t > h
-
-    def take_token(self, event: bytes, token: tuple[int, int, bool], strip: bool) -> bytes:
-        """Note an ordinary token chunk found by ``token_chunk`` or ``token_event`` (what
-        ``observe`` would note of it, without parsing it); the event as it goes to the client,
-        its ids nulled when ``strip``."""
-        opens, closes, text = token
-        raw = event[opens + 1 : closes]  # ids already checked by token_event
-        if b"," in raw:
+        opens = t + len(self.tail)
+        raw = event[opens : end - 4]
+        if raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1):
+            self.ids.append(int(raw))  # one id, the common case: ``plain_id`` inlined
+        elif raw and plain_ids(raw):
             self.ids.extend(map(int, raw.split(b",")))
         elif raw:
-            self.ids.append(int(raw))
+            return None
+        text = t > h
         if text:
             self.reasoning_open = False
             self.text_ids = len(self.ids)
-        return event[:opens] + b"null" + event[closes + 1 :] if strip else event
+        if strip:
+            return event[: opens - 1] + _NULLED_END, text
+        return (event if end < len(event) else event + b"\n\n"), text
 
     # -- the seam --------------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ class Resumer:
         if cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body):
             return
         call.continuation = cont.Splice(call.kind, body, call.wants_usage)
-        call.body = cont.forward_body(body)
+        call.body = cont.forward_body(call.body, body)
 
     async def relay(
         self,
@@ -131,16 +131,16 @@ class Resumer:
                 # An ordinary token chunk is relayed without parsing it: a read that is one
                 # (vLLM sends one event per token) skips the event split too.
                 out: list[bytes]
-                if events.empty and (token := sp.token_chunk(chunk)) is not None:
-                    content = token[2]
-                    out = [sp.take_token(chunk, token, strip)]
+                if events.empty and (token := sp.take_chunk(chunk, strip)) is not None:
+                    out = [token[0]]
+                    content = token[1]
                 else:
                     out = []
                     content = False
                     for ev in events.feed(chunk):
-                        if (token := sp.token_event(ev)) is not None:  # several in one read
-                            out.append(sp.take_token(ev, token, strip) + b"\n\n")
-                            content = content or token[2]
+                        if (token := sp.take_event(ev, strip)) is not None:  # several in a read
+                            out.append(token[0])
+                            content = content or token[1]
                             continue
                         obj = sse.parse_event(ev)
                         if obj is sse.DONE:
@@ -198,12 +198,13 @@ class Resumer:
                     call.started = True
                     attempt.phase = Phase.CONTENT if flow.found else Phase.STARTED
                     start = self.response_start(call, response, 200)
-                    await self.send_start(call, send, start, b"".join(held), True)
+                    # A stream whole in the held reads (a burst) ends in the same write.
+                    await self.send_start(call, send, start, b"".join(held), not ended)
                     flow.started()
                 else:
-                    if out:
+                    if out or ended:  # [DONE] and the body's end: one write
                         await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})  # fmt: skip
+                                    "more_body": not ended})  # fmt: skip
                     if content:
                         flow.content()
                 if ended or trigger:
@@ -225,8 +226,7 @@ class Resumer:
             trigger = cont.Trigger.STALL
             why = f"replica {name} stopped generating and was ejected"
         if ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
+            return  # its end went with [DONE]
         if trigger is None:
             if sp.finish_reason is not None:
                 # Finished, then cut before the usage and [DONE]: nothing is missing.
@@ -512,7 +512,7 @@ _FAULT_TRIGGER = {
 
 class _TokenRelay(StreamFlow):
     """An eligible stream's ordinary token chunks after its start (one event of the learned
-    template per read, ``Splice.token_chunk``): noted, their ids hidden when the client did
+    template per read, ``Splice.take_chunk``): noted, their ids hidden when the client did
     not ask, and written to the client at once. Anything else, and everything while the
     server offers no direct writer, is handed back to ``Resumer.relay``'s loop."""
 
@@ -536,12 +536,11 @@ class _TokenRelay(StreamFlow):
         writer = self.writer
         if writer is None or not self.events.empty:
             return chunk
-        sp = self.sp
-        token = sp.token_chunk(chunk)
+        token = self.sp.take_chunk(chunk, self.strip)
         if token is None:
             return chunk
         self.attempt.last_progress = time.monotonic()
-        room = writer.write_body(sp.take_token(chunk, token, self.strip))
-        if token[2]:
+        room = writer.write_body(token[0])
+        if token[1]:
             self.content()
         return None if room else PAUSE
