@@ -450,13 +450,16 @@ def run_paced(
 ) -> list[dict[str, Any]]:
     """Paced runs of each (continuation, tracing) configuration. Every configuration's
     gateway (over its own two mocks) is up at once and their runs are interleaved, one of
-    each in turn, so a drift in the machine's load falls on all of them alike."""
+    each in turn, so a drift in the machine's load falls on all of them alike; the turn's
+    order reverses every round (A B, B A, ...), so neither always runs second. Two identical
+    gateways run so (six rounds) differed by 6 % in their medians: the noise of the comparison."""
     with contextlib.ExitStack() as stack:
         fleets = [stack.enter_context(fleet(50, c, t)) for c, t in runs]
         direct = [asyncio.run(paced_run(fleets[0][0][0], streams, None)) for _ in range(repeat)]
         through: list[list[dict[str, float]]] = [[] for _ in runs]
-        for _ in range(repeat):
-            for i, (_, gw_port, pid) in enumerate(fleets):
+        for round_ in range(repeat):
+            turn = list(enumerate(fleets))
+            for i, (_, gw_port, pid) in turn if round_ % 2 == 0 else reversed(turn):
                 through[i].append(asyncio.run(paced_run(gw_port, streams, pid)))
     d = median_of(direct)
     out = []

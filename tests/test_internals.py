@@ -140,6 +140,22 @@ def _value_class() -> None:
         assert callable(getattr(prometheus_client.mmap_dict.MmapedDict, method))
 
 
+def _histogram_child() -> None:
+    # What Gaps adds in a batch is what observe adds one at a time.
+    source_has(
+        prometheus_client.metrics.Histogram.observe,
+        "self._sum.inc(amount)", "enumerate(self._upper_bounds)", "if amount <= bound:",
+        "self._buckets[i].inc(1)",
+    )  # fmt: skip
+    child = prometheus_client.metrics.Histogram(
+        "internal_gaps", "x", ["l"], buckets=(0.1, 1.0), registry=None
+    ).labels("a")
+    assert_equal(child._upper_bounds, [0.1, 1.0, float("inf")])
+    assert len(child._buckets) == 3
+    for value in (*child._buckets, child._sum):
+        assert callable(value.inc)
+
+
 INTERNALS = [
     Internal(
         "aiohttp",
@@ -224,6 +240,13 @@ INTERNALS = [
         "mmap_dict.MmapedDict(path).read_value/write_value and mmap_key(...)",
         "proxy/workers/kept.py: a worker's counters and histograms kept in its slot's file",
         _value_class,
+    ),
+    Internal(
+        "prometheus-client",
+        "a Histogram child's _upper_bounds (ending +Inf), _buckets and _sum (values with inc), "
+        "as Histogram.observe uses them",
+        "proxy/observe/gaps.py Gaps: a stream's inter-token times added in batches",
+        _histogram_child,
     ),
     Internal(
         "uvicorn",

@@ -19,6 +19,7 @@ import httpx
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY, BodyWriter
 from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
 from proxy.fleet.fleet import Replica
+from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay import sse
@@ -211,8 +212,11 @@ class Responder:
         if not ended:
             if keep_tail:
                 relayed.keep(tail, whole)
-            async for chunk in relayed.handed_back(response):  # no direct writer: ASGI
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in relayed.handed_back(response):  # no direct writer: ASGI
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finally:
+                relayed.finish()
             tail = relayed.tail
             cut_short = not sse.stream_complete(call.kind, relayed.before[-256:] + relayed.last)
             if not cut_short:
@@ -299,9 +303,10 @@ class StreamFlow:
     def __init__(self, call: Call, attempt: Attempt, metrics: Metrics, found: bool) -> None:
         self.call = call
         self.attempt = attempt
-        self.itl = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
-        self.found = found
         self.t = now()
+        series = metrics.series(metrics.inter_token, call.lane.name, attempt.replica.pool)
+        self.itl = Gaps(series, self.t)  # added in batches: ``finish`` adds the last
+        self.found = found
         self.writer: BodyWriter | None = None
 
     def __call__(self, chunk: bytes) -> bytes | None:
@@ -321,13 +326,18 @@ class StreamFlow:
         """A chunk with content went to the client: TTFT or an inter-token time."""
         t2 = now()
         if self.found:
-            self.itl.observe(t2 - self.t)
+            self.itl.observe(t2 - self.t, t2)
         else:
             self.found = True
             self.attempt.phase = Phase.CONTENT
             self.call.ttft_s = t2 - self.call.received_at
         self.t = t2
         self.call.content_chunks += 1
+
+    def finish(self) -> None:
+        """The stream is over here (ended, failed or continued elsewhere): its last
+        inter-token times go into the histogram."""
+        self.itl.flush(now())
 
     async def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
         """The rest of ``response``'s body pumped through this handler: the chunks it hands

@@ -225,6 +225,8 @@ class Resumer:
                 raise
             trigger = cont.Trigger.STALL
             why = f"replica {name} stopped generating and was ejected"
+        finally:
+            flow.finish()
         if ended:
             return  # its end went with [DONE]
         if trigger is None:
