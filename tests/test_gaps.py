@@ -61,7 +61,7 @@ def test_gaps_are_added_every_batch_and_once_old_enough() -> None:
     assert count() == EVERY  # a whole batch: added
     held.observe(0.05, now=100.0 + MAX_AGE_S / 2)
     assert count() == EVERY
-    held.observe(0.05, now=100.0 + MAX_AGE_S)  # the batch's first is a second old
+    held.observe(0.05, now=100.0 + MAX_AGE_S)  # a second after the last batch
     assert count() == EVERY + 2
     held.flush(now=200.0)  # nothing held: nothing added
     assert count() == EVERY + 2

@@ -231,3 +231,24 @@ async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once(
         assert "r-4" not in stream.getvalue()
     finally:
         log.removeHandler(handler)
+
+
+class BrokenStream(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError("the reader is gone")
+
+
+def test_an_access_line_that_cannot_be_written_is_reported_not_raised(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As ``logging``'s own ``emit``: the rest of a batch's outcomes still get recorded."""
+    log = logging.getLogger("tokenlane.access.test-broken")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = accesslog.BatchedLines(BrokenStream())
+    log.addHandler(handler)
+    try:
+        write_line(a_call("r-1"), 0.1, 1.0, log)  # does not raise
+        assert "BrokenPipeError" in capsys.readouterr().err  # logging.raiseExceptions
+    finally:
+        log.removeHandler(handler)

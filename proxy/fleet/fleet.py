@@ -146,7 +146,10 @@ class Fleet:
             for r in pool.replicas:
                 if model in r.models:
                     return True
-        return any(model in r.models for r in self.leaving)
+        for r in self.leaving:
+            if model in r.models:
+                return True
+        return False
 
     def apply(self, policy: Policy) -> bool:
         """Take a reloaded policy: keep replicas (and their health) whose pool and URL stay,

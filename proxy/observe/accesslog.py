@@ -36,9 +36,13 @@ class BatchedLines(logging.StreamHandler):
         self.plain = fmt is _PLAIN
 
     def write(self, line: str) -> None:
-        """What ``emit`` writes of a record whose message is ``line``. Without ``emit``'s lock:
-        access lines are written on the event loop's thread alone."""
-        self.stream.write(line + self.terminator)
+        """What ``emit`` writes of a record whose message is ``line``, and as it does, a
+        failed write reported (``handleError``), not raised. Without ``emit``'s lock: access
+        lines are written on the event loop's thread alone."""
+        try:
+            self.stream.write(line + self.terminator)
+        except Exception:
+            self.handleError(logging.makeLogRecord({"msg": line, "name": logger.name}))
 
     def flush(self) -> None:
         """Called by ``emit`` after every line: deferred to ``flush_batch``."""

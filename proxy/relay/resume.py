@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -122,6 +123,7 @@ class Resumer:
         ended = False
         trigger: cont.Trigger | None = None
         why = ""
+        unsent: Callable[[], Awaitable[None]] | None = None  # a message being sent
         # Ordinary token chunks after the start are relayed from the connection's callback;
         # this loop sees the rest (``_TokenRelay``). ``flow`` holds what both share.
         flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
@@ -199,12 +201,17 @@ class Resumer:
                     attempt.phase = Phase.CONTENT if flow.found else Phase.STARTED
                     start = self.response_start(call, response, 200)
                     # A stream whole in the held reads (a burst) ends in the same write.
-                    await self.send_start(call, send, start, b"".join(held), not ended)
-                    flow.started()
+                    unsent = functools.partial(
+                        self._begin, call, send, start, b"".join(held), not ended, flow
+                    )
+                    await unsent()
+                    unsent = None
                 else:
                     if out or ended:  # [DONE] and the body's end: one write
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": not ended})  # fmt: skip
+                        unsent = functools.partial(send, {"type": "http.response.body",
+                            "body": b"".join(out), "more_body": not ended})  # fmt: skip
+                        await unsent()
+                        unsent = None
                     if content:
                         flow.content()
                 if ended or trigger:
@@ -227,6 +234,11 @@ class Resumer:
             why = f"replica {name} stopped generating and was ejected"
         finally:
             flow.finish()
+        if unsent is not None:
+            # The replica was ejected while this message waited for the client to read: it
+            # was not written, and what it holds is noted as sent. Sent now, before the end
+            # or the continuation.
+            await unsent()
         if ended:
             return  # its end went with [DONE]
         if trigger is None:
@@ -241,6 +253,18 @@ class Resumer:
             # Ended before any content (only the role chunk, if that): as an ordinary fault.
             raise AttemptFault(Fault.CLOSED, why)
         await self._continue(call, attempt, response, send, trigger, why, flow.t)
+
+    async def _begin(
+        self,
+        call: Call,
+        send: Send,
+        start: dict[str, Any],
+        body: bytes,
+        more_body: bool,
+        flow: StreamFlow,
+    ) -> None:
+        await self.send_start(call, send, start, body, more_body)
+        flow.started()
 
     def _refused(self, call: Call, reason: cont.Refusal) -> None:
         self.metrics.continuation_refusals.labels(call.lane.name, reason.value).inc()
