@@ -28,12 +28,11 @@ class BatchedLines(logging.StreamHandler):
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
-        super().setFormatter(_PLAIN)
-        self.plain = True
+        self.setFormatter(_PLAIN)
 
-    def setFormatter(self, fmt: logging.Formatter | None) -> None:
-        super().setFormatter(fmt)
-        self.plain = fmt is _PLAIN
+    @property
+    def plain(self) -> bool:
+        return self.formatter is _PLAIN
 
     def write(self, line: str) -> None:
         """What ``emit`` writes of a record whose message is ``line``, and as it does, a

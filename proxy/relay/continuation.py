@@ -428,8 +428,8 @@ class Splice:
             return None
         opens = t + len(self.tail)
         raw = event[opens : end - 4]
-        if raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1):
-            self.ids.append(int(raw))  # one id, the common case: ``plain_id`` inlined
+        if plain_id(raw):  # one id: the common case
+            self.ids.append(int(raw))
         elif raw and plain_ids(raw):
             self.ids.extend(map(int, raw.split(b",")))
         elif raw:

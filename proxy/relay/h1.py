@@ -363,7 +363,7 @@ class H1Pool:
                 conn.closed
                 or conn.idle_since < expired_before
                 or transport is None
-                or (transport.is_closing())
+                or transport.is_closing()
             ):
                 conn.close()
                 continue
