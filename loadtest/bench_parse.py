@@ -6,8 +6,9 @@ asks for): decoding it with ``json.loads`` against ``sse.decode_json`` (msgspec)
 with the regular expression the relay used before against ``continuation.strip_ids``, and the
 whole per-event path of ``proxy/relay/resume.py`` (split, parse, note the ids, strip, look for
 content) with each decoder, and an ordinary token chunk relayed unparsed against the stream's
-learned template (what every token chunk after the first pays now). A plain stream pays none of
-this after its first content.
+learned template (what every token chunk after the first pays now); and a read of 64 token
+chunks (a burst, or a reader that fell behind) taken event by event against as one run
+(``Splice.take_run``). A plain stream pays none of this after its first content.
 """
 
 from __future__ import annotations
@@ -72,6 +73,29 @@ def per_token_chunk(target_s: float) -> float:
     return per_call_us(one, target_s)
 
 
+def per_event_in_a_read(runs: bool, target_s: float, n: int = 64) -> float:
+    """µs per event of a read of ``n`` ordinary token chunks, as ``Resumer.relay``'s loop takes
+    them: each with ``take_event``, or the first so and the others as one run."""
+    splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
+    splice.learn_template(CHUNK, json.loads(CHUNK[6:]))
+    read = (CHUNK + b"\n\n") * n
+
+    def one() -> None:
+        events = sse.EventBuffer()
+        out = []
+        for ev in events.feed(read):
+            token = splice.take_event(ev, True)
+            assert token is not None
+            out.append(token[0])
+            if runs and (run := splice.take_run(*events.pending(), True)) is not None:
+                out.append(run[0])
+                events.advance(run[1])
+        b"".join(out)
+        del splice.ids[:]
+
+    return per_call_us(one, target_s) / n
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target-s", type=float, default=0.1, help="seconds per timed batch")
@@ -89,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
         ("per event, parsed (msgspec, find)", per_event_path(sse.parse_event, cont.strip_ids, t)),
         ("per event, a token chunk unparsed (template)", per_token_chunk(t)),
+        ("per event, 64 in a read, one by one (take_event)", per_event_in_a_read(False, t)),
+        ("per event, 64 in a read, as a run (take_run)", per_event_in_a_read(True, t)),
     ]
     width = max(len(name) for name, _ in rows)
     print(f"{'what':<{width}}  µs/event (median)")

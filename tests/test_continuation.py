@@ -599,10 +599,12 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
     assert not probing(set())  # a dead replica probes for ever: not worth the wait
 
 
-async def test_an_eligible_stream_whole_in_one_read_goes_out_in_one_message() -> None:
+async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest_at_once() -> None:
     """Continuation on, a 64-token stream that comes in one read (as the overhead benchmark's
-    mock sends it): the response start carries the whole body and its end, one socket write
-    under the gateway's server, as a plain stream's does; the ids are hidden."""
+    mock sends it): the response start carries the events up to the first content (the role
+    chunk and the first token), sent before the rest is read; the rest and the body's end
+    follow in one message (one socket write under the gateway's server); the ids are
+    hidden."""
     async with (
         running() as up,
         running_gateway(policy_for({"p": [up.url]}, continuation={"enabled": True})) as (_, app),
@@ -629,9 +631,15 @@ async def test_an_eligible_stream_whole_in_one_read_goes_out_in_one_message() ->
         await app(scope, receive, send)
         # Eligible: asked for the ids, the client's bytes otherwise as they came.
         assert up.stats.raw_bodies[-1] == body[:-1] + b',"return_token_ids":true}'
-    (start,) = sent
-    assert start["type"] == "http.response.start" and start[START_MORE_BODY] is False
-    events = data_events(start[START_BODY].decode())
+    start, rest = sent
+    assert start["type"] == "http.response.start" and start[START_MORE_BODY] is True
+    first = data_events(start[START_BODY].decode())
+    assert [e["choices"][0]["delta"] for e in first] == [
+        {"role": "assistant", "content": ""},
+        {"content": " tok0"},
+    ]
+    assert rest["type"] == "http.response.body" and rest["more_body"] is False
+    events = data_events(rest["body"].decode())
     assert events[-1] == "[DONE]"
-    assert sum(1 for e in events[:-1] if e["choices"]) == 66  # role, 64 tokens, finish
-    assert b'"token_ids":[' not in start[START_BODY]
+    assert sum(1 for e in events[:-1] if e["choices"]) == 64  # 63 tokens, the finish
+    assert b'"token_ids":[' not in start[START_BODY] + rest["body"]

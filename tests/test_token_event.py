@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from loadtest.sim.formats import StreamFormat
 from proxy.relay.continuation import Splice, strip_ids
+from proxy.relay.sse import EventBuffer
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "stream": True}
 
@@ -177,3 +178,76 @@ def test_the_unparsed_path_notes_and_writes_what_parsing_does(text: str, ids: li
             continue
         parsed, fast = both_ways(ev, kind)
         assert fast == parsed
+
+
+# ------------------------------------------------------------------- runs (Splice.take_run)
+
+
+def relayed(sp: Splice, read: bytes, runs: bool) -> tuple[bytes, tuple[Any, ...]]:
+    """What ``Resumer.relay``'s loop writes and notes for one read, taking runs or not; an
+    event the unparsed path declines is written as it came (the parser's part, not tested
+    here)."""
+    events = EventBuffer()
+    out: list[bytes] = []
+    for ev in events.feed(read):
+        if (token := sp.take_event(ev, True)) is None:
+            out.append(ev + b"\n\n")
+            continue
+        out.append(token[0])
+        if runs and (run := sp.take_run(*events.pending(), True)) is not None:
+            out.append(run[0])
+            events.advance(run[1])
+    return b"".join(out), note(sp)
+
+
+OTHER = st.sampled_from([
+    chat_chunk("x", [1], "stop"),
+    chat_chunk("", [3, 4]),  # a character's first bytes: no text
+    chat_chunk("", []),
+    chat_chunk('a "quote"', [5]),
+    chat_chunk("x", [1]).replace(b"[1]", b"[007]"),
+    chat_chunk("x", [1]).replace(b"[1]", b"[1," + b"9" * 40 + b"]"),
+    chat_chunk("x", [1]).replace(b'"created":1', b'"created":2'),
+    b": keep-alive",
+])  # fmt: skip
+TOKEN = st.builds(chat_chunk, TEXT, st.lists(st.integers(0, 2**31), max_size=3))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(events=st.lists(st.one_of(TOKEN, TOKEN, TOKEN, OTHER), max_size=12))
+def test_a_run_notes_and_writes_what_its_events_one_by_one_do(events: list[bytes]) -> None:
+    read = b"".join(ev + b"\n\n" for ev in events) + b"data: {"  # and an unfinished event
+    assert relayed(learned(), read, runs=True) == relayed(learned(), read, runs=False)
+
+
+def test_a_run_takes_the_token_chunks_up_to_the_first_other_event() -> None:
+    tokens = [chat_chunk(f" t{i}", [10 + i]) for i in range(5)]
+    finish = chat_chunk("", [], "length")
+    read = b"".join(ev + b"\n\n" for ev in [*tokens, finish, b"data: [DONE]"])
+    sp = learned()
+    run = sp.take_run(read, 0, True)
+    assert run is not None
+    assert run[1] == read.index(finish)  # it stops where the finish begins
+    assert run[0] == b"".join(strip_ids(ev) + b"\n\n" for ev in tokens)
+    assert (sp.ids, sp.text_ids) == ([7, 10, 11, 12, 13, 14], 6)
+    assert sp.take_run(read, run[1], True) is None  # the finish is the parser's
+    assert sp.ids == [7, 10, 11, 12, 13, 14]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        chat_chunk("x", [1]).replace(b"[1]", b"[007]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[1," + b"9" * 5000 + b"]"),
+        chat_chunk("", [2]),
+    ],
+)
+def test_a_run_ends_before_a_chunk_that_is_not_plainly_one(bad: bytes) -> None:
+    good = chat_chunk(" a", [1])
+    read = good + b"\n\n" + good + b"\n\n" + bad + b"\n\n" + good + b"\n\n"
+    sp = learned()
+    run = sp.take_run(read, 0, False)
+    assert run == (read[: 2 * len(good) + 4], 2 * len(good) + 4)
+    assert sp.ids == [7, 1, 1]
+    assert sp.take_run(read, run[1], False) is None
+    assert sp.ids == [7, 1, 1]
