@@ -9,11 +9,16 @@ differences is printed beside each gateway's medians. A tree is a git worktree
 (``git worktree add /tmp/before <commit>``), each run with its own sources by this project's
 virtualenv.
 
-    python -m loadtest.bench_ab --tree /tmp/before --tree . [--tree .:2] [--rounds 10]
-        [--slice-s 1.5] [--continuation on|off]
+    python -m loadtest.bench_ab --tree /tmp/before --tree . [--tree .:2] [--tree .:1:off]
+        [--rounds 10] [--slice-s 1.5] [--continuation on|off] [--mode burst|paced]
 
-``TREE:N`` runs that tree with N workers. Per slice: CPU ms per request and req/s at
-concurrency 64, TTFT p50 in ms at concurrency 1 (absolute: every gateway has the same mocks).
+``TREE:N`` runs that tree with N workers, ``TREE:N:off`` (or ``:on``) with continuation so
+whatever ``--continuation`` says. ``--mode burst`` (mocks sending a 64-token stream in one
+write), per slice: CPU ms per request and req/s at concurrency 64, TTFT p50 in ms at
+concurrency 1 (absolute: every gateway has the same mocks). ``--mode paced`` (mocks sending one
+token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk and
+ITL p99 in ms; this is how continuation's cost per chunk is measured (``--tree .:1:off --tree
+.:1:on``).
 """
 
 from __future__ import annotations
@@ -30,48 +35,64 @@ from pathlib import Path
 import yaml
 
 from . import gateways
-from .bench_overhead import burst_run, mocks
+from .bench_overhead import burst_run, mocks, paced_run
 from .procs import free_port, wait_http
 
-FIGURES = ("cpu_ms_per_req", "rps", "ttft_p50_ms")
+FIGURES = {
+    "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
+              ("TTFT p50 c=1", "ttft_p50_ms", 2)),
+    "paced": (("CPU us/chunk", "cpu_us_per_chunk", 1), ("ITL p99 ms", "itl_p99_ms", 2)),
+}  # fmt: skip
+Spec = tuple[str, Path, int, bool]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", action="append", required=True, help="PATH or PATH:WORKERS")
+    parser.add_argument("--tree", action="append", required=True, help="PATH[:WORKERS[:on|off]]")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--slice-s", type=float, default=1.5)
+    parser.add_argument("--slice-s", type=float, default=1.5, help="burst mode's slices")
     parser.add_argument("--continuation", choices=("on", "off"), default="on")
+    parser.add_argument("--mode", choices=("burst", "paced"), default="burst")
     args = parser.parse_args(argv)
-    specs: list[tuple[str, Path, int]] = []
+    specs: list[Spec] = []
     for spec in args.tree:
-        path, _, workers = spec.partition(":")
-        specs.append((spec, Path(path).resolve(), int(workers or 1)))
-    results = run(specs, args.rounds, args.slice_s, args.continuation == "on")
+        path, _, rest = spec.partition(":")
+        workers, _, cont = rest.partition(":")
+        specs.append(
+            (spec, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
+        )
+    results = run(specs, args.mode, args.rounds, args.slice_s)
+    columns = FIGURES[args.mode]
     first = specs[0][0]
     print(
-        f"paired A/B: {args.rounds} rounds of {args.slice_s:g}s slices, continuation"
-        f" {args.continuation}; medians, and the median of paired differences from {first}"
+        f"paired A/B, {args.mode}: {args.rounds} rounds, continuation {args.continuation} unless"
+        f" the tree says; medians, and the median of paired differences from {first}"
     )
-    print(f"{'tree':<28} | {'CPU ms/req c=64':>16} | {'req/s c=64':>12} | {'TTFT p50 c=1':>14}")
-    for spec, _, _ in specs:
+    print(f"{'tree':<28} | " + " | ".join(f"{name:>16}" for name, _, _ in columns))
+    for spec, *_ in specs:
         mine, base = results[spec], results[first]
         cells = []
-        for k, digits in zip(FIGURES, (3, 0, 2), strict=True):
+        for _, k, digits in columns:
             diff = statistics.median(a - b for a, b in zip(mine[k], base[k], strict=True))
             cells.append(f"{statistics.median(mine[k]):.{digits}f} ({diff:+.{digits}f})")
-        print(f"{spec:<28} | {cells[0]:>16} | {cells[1]:>12} | {cells[2]:>14}")
+        print(f"{spec:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
     return 0
 
 
 def run(
-    specs: list[tuple[str, Path, int]], rounds: int, slice_s: float, continuation: bool
+    specs: list[Spec], mode: str, rounds: int, slice_s: float
 ) -> dict[str, dict[str, list[float]]]:
-    """Every tree's gateway up at once over the same mocks; ``rounds`` alternated slices."""
-    results: dict[str, dict[str, list[float]]] = {s[0]: {k: [] for k in FIGURES} for s in specs}
-    with mocks(0) as ports, tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+    """Every tree's gateway up at once over the same mocks; ``rounds`` alternated turns."""
+    keys = [k for _, k, _ in FIGURES[mode]]
+    results: dict[str, dict[str, list[float]]] = {s[0]: {k: [] for k in keys} for s in specs}
+    interval_ms = 0 if mode == "burst" else 50
+    with (
+        mocks(interval_ms) as ports,
+        tempfile.TemporaryDirectory() as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         running: list[tuple[str, int, int]] = []
-        for i, (spec, tree, workers) in enumerate(specs):
+        for i, (spec, tree, workers, continuation) in enumerate(specs):
             port = free_port()
             policy = gateways.tokenlane_policy(port, ports, workers)
             policy["continuation"] = {"enabled": continuation}
@@ -86,16 +107,24 @@ def run(
             wait_http(f"http://127.0.0.1:{port}/ready")
             running.append((spec, port, gw.pid))
         for _, port, pid in running:  # warm-up: pools, caches, the first requests' imports
-            asyncio.run(burst_run(port, 64, 1.0, pid))
-            asyncio.run(burst_run(port, 1, 0.5, pid))
+            asyncio.run(burst_run(port, 64, 1.0, pid) if mode == "burst" else _paced(port, pid))
+            if mode == "burst":
+                asyncio.run(burst_run(port, 1, 0.5, pid))
         for r in range(rounds):
             for spec, port, pid in running if r % 2 == 0 else running[::-1]:
-                many = asyncio.run(burst_run(port, 64, slice_s, pid)).summary()
-                one = asyncio.run(burst_run(port, 1, slice_s, pid)).summary()
-                results[spec]["cpu_ms_per_req"].append(many["cpu_ms_per_req"])
-                results[spec]["rps"].append(many["rps"])
-                results[spec]["ttft_p50_ms"].append(one["ttft_p50_ms"])
+                if mode == "paced":
+                    figures = asyncio.run(_paced(port, pid))
+                else:
+                    many = asyncio.run(burst_run(port, 64, slice_s, pid)).summary()
+                    one = asyncio.run(burst_run(port, 1, slice_s, pid)).summary()
+                    figures = {**many, "ttft_p50_ms": one["ttft_p50_ms"]}
+                for k in keys:
+                    results[spec][k].append(figures[k])
     return results
+
+
+async def _paced(port: int, pid: int) -> dict[str, float]:
+    return await paced_run(port, 256, pid)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

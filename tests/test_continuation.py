@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+import loadtest.fake_upstream as fake
 from loadtest.fake_upstream import MODEL, running
 from loadtest.sim.server import run_sim
 from loadtest.sim.settings import SimSettings
@@ -643,3 +644,75 @@ async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest
     assert events[-1] == "[DONE]"
     assert sum(1 for e in events[:-1] if e["choices"]) == 64  # 63 tokens, the finish
     assert b'"token_ids":[' not in start[START_BODY] + rest["body"]
+
+
+async def test_a_continuation_answered_in_one_write_reaches_the_client_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The continuation's replica sends its whole answer in one write: the events after its
+    first token in that read (more tokens, the finish, [DONE]) are relayed from it, not
+    dropped while the relay waits for a read that never comes."""
+    answers = [
+        fake.stream_events(5, token_ids=True),  # the first replica's, cut after two tokens
+        _three_tokens_and_the_end(),
+    ]
+    got, continued = await _continued(monkeypatch, answers, cut_after=2)
+    assert continued["max_tokens"] == 3
+    assert _text(got) == " tok0 tok1 c1 c2 c3"
+
+
+async def test_an_error_after_the_first_token_in_the_same_read_is_continued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first token goes out as soon as it is read: an in-stream 5xx error after it in the
+    same read is met after the client has bytes, as if in the next read, so the stream is
+    continued (not retried from the start, as it was while a whole read was taken first)."""
+    error = b'data: {"error":{"message":"engine died","type":"Error","param":null,"code":500}}'
+    answers = [
+        [*fake.stream_events(5, token_ids=True)[:3], error + b"\n\n"],  # role, 2 tokens, error
+        _three_tokens_and_the_end(),
+    ]
+    got, continued = await _continued(monkeypatch, answers, cut_after=None)
+    assert continued["prompt"][-2:] == [1000, 1001] and continued["max_tokens"] == 3
+    assert _text(got) == " tok0 tok1 c1 c2 c3"
+
+
+def _three_tokens_and_the_end() -> list[bytes]:
+    """A continuation's answer: " c1 c2 c3", the finish, [DONE]."""
+    tokens = [_completion(f" c{i}", [2000 + i]) for i in (1, 2, 3)]
+    return [*tokens, _completion("", [], "length"), b"data: [DONE]\n\n"]
+
+
+def _completion(text: str, ids: list[int], finish: str | None = None) -> bytes:
+    """A /v1/completions chunk with its token ids, as vLLM writes it."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+              "stop_reason": None, "token_ids": ids}  # fmt: skip
+    obj = {"id": "cmpl-b", "object": "text_completion", "created": 2, "model": MODEL,
+           "choices": [choice]}  # fmt: skip
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _continued(
+    monkeypatch: pytest.MonkeyPatch, answers: list[list[bytes]], cut_after: int | None
+) -> tuple[list[Any], dict[str, Any]]:
+    """A stream on replica ``a`` continued on ``b``, each answering the next of ``answers``
+    (``a``'s cut after ``cut_after`` tokens, else sent in one write as ``b``'s is); the
+    client's events and the continuation request ``b`` received."""
+    monkeypatch.setattr(fake, "stream_events", lambda *a, **k: answers.pop(0))
+    async with running() as a, running() as b:
+        a.cut_after = cut_after
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"enabled": True},
+        )
+        async with running_gateway(policy) as (url, _), httpx.AsyncClient(timeout=30) as client:
+            body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 5}
+            got = data_events((await client.post(url + "/v1/chat/completions", json=body)).text)
+    assert not answers  # both replicas answered
+    # (``b``'s health canary asks /v1/completions too, with a text prompt)
+    (continued,) = [body for body in b.stats.bodies if isinstance(body.get("prompt"), list)]
+    assert got[-1] == "[DONE]" and not any("error" in e for e in got if isinstance(e, dict))
+    finishes = [c["finish_reason"] for e in got[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    return got, continued

@@ -143,8 +143,10 @@ class Resumer:
                         if (token := sp.take_event(ev, strip)) is not None:  # several in a read
                             out.append(token[0])
                             content = content or token[1]
-                            if content and not call.started:
-                                break  # the first content goes out before the rest is read
+                            if not call.started:
+                                if content:
+                                    break  # the first content goes out before the rest
+                                continue
                             # The token chunks after it in this read, in one go (a burst).
                             if (run := sp.take_run(*events.pending(), strip)) is not None:
                                 out.append(run[0])
@@ -212,7 +214,8 @@ class Resumer:
                     call.started = True
                     attempt.phase = Phase.CONTENT if flow.found else Phase.STARTED
                     start = self.response_start(call, response, 200)
-                    # A stream whole in the held reads (a burst) ends in the same write.
+                    # A stream that ended in the held reads before any content ends in the
+                    # same write; one with content sends its rest after (the loop's break).
                     unsent = functools.partial(
                         self._begin, call, send, start, b"".join(held), not ended, flow
                     )
@@ -479,7 +482,14 @@ class Resumer:
                 last_sent = now()
                 if done:
                     return None
-                async for chunk in chunks:
+
+                async def reads() -> AsyncIterator[bytes]:
+                    if events.ready:
+                        yield b""  # what the first read held past the first content
+                    async for chunk in chunks:
+                        yield chunk
+
+                async for chunk in reads():
                     attempt.last_progress = time.monotonic()
                     out: list[bytes] = []
                     for ev in events.feed(chunk):
