@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -400,3 +400,29 @@ def test_finish_reasons_of_a_plain_response() -> None:
     answer = {"choices": [{"finish_reason": "stop"}, {"finish_reason": None}, "junk"]}
     assert sse.finish_reasons_of(answer) == ["stop"]
     assert sse.finish_reasons_of({"choices": "x"}) == sse.finish_reasons_of([]) == []
+
+
+async def test_reads_give_a_reader_that_stopped_early_the_rest_before_the_next_read() -> None:
+    """``EventBuffer.reads``: after a read whose events a reader left pending (it stopped at
+    the first), an empty read comes for them, then the next read; a pending unfinished event
+    waits for the read that ends it."""
+
+    async def two_reads() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4"
+        yield b"\n\n"
+
+    buf = sse.EventBuffer()
+    seen: list[tuple[bytes, list[bytes]]] = []
+    async for chunk in buf.reads(two_reads()):
+        taken: list[bytes] = []
+        for event in buf.feed(chunk):
+            taken.append(event)
+            if not chunk:
+                continue
+            break  # the first of a read only: the rest comes with an empty read
+        seen.append((chunk, taken))
+    assert seen == [
+        (b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4", [b"data: 1"]),
+        (b"", [b"data: 2", b"data: 3"]),  # "data: 4" is not ended yet: no more empty reads
+        (b"\n\n", [b"data: 4"]),
+    ]

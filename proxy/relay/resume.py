@@ -200,7 +200,7 @@ class Resumer:
                             content = True
                         if content and not call.started:
                             # The first content goes out now, the rest of the read after it
-                            # (``_TokenRelay.handed_back``): a burst's other 64 events cost
+                            # (``EventBuffer.reads``): a burst's other 64 events cost
                             # 100-150 µs, which the first token does not wait for.
                             break
                 if not call.started:
@@ -482,14 +482,8 @@ class Resumer:
                 last_sent = now()
                 if done:
                     return None
-
-                async def reads() -> AsyncIterator[bytes]:
-                    if events.ready:
-                        yield b""  # what the first read held past the first content
-                    async for chunk in chunks:
-                        yield chunk
-
-                async for chunk in reads():
+                # What the first read held past the first content, then further reads.
+                async for chunk in events.reads(chunks):
                     attempt.last_progress = time.monotonic()
                     out: list[bytes] = []
                     for ev in events.feed(chunk):
@@ -580,13 +574,10 @@ class _TokenRelay(StreamFlow):
         self.events = events
         self.strip = strip
 
-    async def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
-        """As ``StreamFlow.handed_back``, and after each read, while events of it are left
-        (the relay sent its first content before reading them), an empty read for them."""
-        async for chunk in super().handed_back(response):
-            yield chunk
-            while self.events.ready:
-                yield b""
+    def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        """As ``StreamFlow.handed_back``, with an empty read for the events a read left
+        pending (the relay sent its first content before taking them)."""
+        return self.events.reads(super().handed_back(response))
 
     def __call__(self, chunk: bytes) -> bytes | None:
         writer = self.writer

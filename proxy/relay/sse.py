@@ -9,7 +9,7 @@ JSON but error events with spaces, so events are parsed, never matched byte for 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -66,6 +66,17 @@ class EventBuffer:
                 return
             self._start = end + 2
             yield data[start:end]
+
+    async def reads(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        """``chunks``, and an empty read before the next whenever complete events are left
+        pending (a reader that stopped early, at its first content): those are taken before
+        more is read."""
+        while self.ready:
+            yield b""
+        async for chunk in chunks:
+            yield chunk
+            while self.ready:
+                yield b""
 
     def pending(self) -> tuple[bytes, int]:
         """The buffered bytes and where what was not yet taken starts in them."""
