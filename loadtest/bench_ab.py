@@ -55,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("burst", "paced"), default="burst")
     args = parser.parse_args(argv)
     specs: list[Spec] = []
-    for spec in args.tree:
+    for i, spec in enumerate(args.tree):
         path, _, rest = spec.partition(":")
         workers, _, cont = rest.partition(":")
+        # A tree given twice is an A/A control: each copy its own gateway and row.
+        label = spec if args.tree.count(spec) == 1 else f"{spec} ({i + 1})"
         specs.append(
-            (spec, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
+            (label, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
         )
     results = run(specs, args.mode, args.rounds, args.slice_s)
     columns = FIGURES[args.mode]

@@ -8,7 +8,8 @@ whole per-event path of ``proxy/relay/resume.py`` (split, parse, note the ids, s
 content) with each decoder, and an ordinary token chunk relayed unparsed against the stream's
 learned template (what every token chunk after the first pays now); and a read of 64 token
 chunks (a burst, or a reader that fell behind) taken event by event against as one run
-(``Splice.take_run``). A plain stream pays none of this after its first content.
+(``Splice.take_run``). A plain stream pays none of this after its first content. Last, what
+every request pays for its access-log line: ``json.dumps`` (before) against ``encode_line``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loadtest.bench_decisions import per_call_us
+from proxy.observe.accesslog import encode_line
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 
@@ -28,6 +30,22 @@ CHUNK = (
     b'"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"content":" word"},'
     b'"logprobs":null,"finish_reason":null,"token_ids":[1234]}]}'
 )
+# A streamed request's access-log record (``accesslog.record_of``), encoded per request.
+ACCESS_RECORD: dict[str, Any] = {
+    "ts": 1767225600.123, "request_id": "3f2a9c1e8b7d4e6fa1b2c3d4", "path": "/v1/chat/completions",
+    "api": "chat", "lane": "interactive", "pool": "fast", "replica": "fast-0", "status": 200,
+    "stream": True, "model": "Qwen/Qwen2.5-0.5B-Instruct", "prompt_tokens_est": 12,
+    "prompt_tokens": 12, "output_tokens": 64, "content_chunks": 64, "queue_wait_ms": 0.01,
+    "ttft_ms": 1.23, "duration_ms": 2.34, "retries": 0, "error": None,
+    "client_disconnected": None, "error_origin": None, "prefix_match_tokens": None,
+    "continuations": None,
+}  # fmt: skip
+
+
+def _old_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
 # The relay's id stripping before this benchmark was written, kept here as the "before" figure.
 _OLD_IDS = re.compile(rb'("(?:prompt_)?token_ids":\s*)\[[0-9,\s]*\]')
 
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-s", type=float, default=0.1, help="seconds per timed batch")
     t = parser.parse_args(argv).target_s
     payload = CHUNK[6:]
+    record = ACCESS_RECORD
+    assert encode_line(record) == _old_line(record)
     assert cont.strip_ids(CHUNK) == _OLD_IDS.sub(rb"\1null", CHUNK)
     rows = [
         ("decode: json.loads", per_call_us(lambda: json.loads(payload), t)),
@@ -115,9 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         ("per event, a token chunk unparsed (template)", per_token_chunk(t)),
         ("per event, 64 in a read, one by one (take_event)", per_event_in_a_read(False, t)),
         ("per event, 64 in a read, as a run (take_run)", per_event_in_a_read(True, t)),
+        ("per access line, json.dumps (before)", per_call_us(lambda: _old_line(record), t)),
+        ("per access line, encode_line (msgspec)", per_call_us(lambda: encode_line(record), t)),
     ]
     width = max(len(name) for name, _ in rows)
-    print(f"{'what':<{width}}  µs/event (median)")
+    print(f"{'what':<{width}}  µs (median)")
     for name, us in rows:
         print(f"{name:<{width}}  {us:8.2f}")
 

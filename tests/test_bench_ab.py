@@ -13,12 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> None:
-    trees = [str(ROOT), f"{ROOT}:1"]
+    # The same tree twice is an A/A control: a row for each, told apart by position.
+    trees = [str(ROOT), f"{ROOT}:1", f"{ROOT}:1"]
     assert bench_ab.main([a for t in trees for a in ("--tree", t)] + ["--rounds", "2",
                          "--slice-s", "0.3"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith(str(ROOT))]
-    assert [row.split(" | ")[0].strip() for row in rows] == trees
+    assert [row.split(" | ")[0].strip() for row in rows] == [
+        str(ROOT),
+        f"{ROOT}:1 (2)",
+        f"{ROOT}:1 (3)",
+    ]
     # The first tree's paired differences are from itself.
     assert rows[0].count("(+0.000)") == 1 and rows[0].count("(+0)") == 1
     cells = [float(cell.split()[0]) for cell in rows[1].split(" | ")[1:]]

@@ -252,3 +252,19 @@ def test_an_access_line_that_cannot_be_written_is_reported_not_raised(
         assert "BrokenPipeError" in capsys.readouterr().err  # logging.raiseExceptions
     finally:
         log.removeHandler(handler)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"ts": 1767225600.123, "status": 200, "stream": True, "error": None, "ttft_ms": 1.23},
+        {"queue_wait_ms": 0.0, "duration_ms": 12345.67, "retries": 2, "prompt_tokens": None},
+        {"continuations": [{"from": "a", "to": "b", "at_token": 7, "trigger": "stall"}]},
+        {"error": 'a "quoted"\\ reply\nwith\tcontrol \x01 bytes', "path": "/v1/x?y=%20"},
+        {"error": "réplica caída ✗ 🙂", "model": "模型"},  # beyond ASCII: escaped, as json does
+    ],
+)
+def test_an_access_line_is_what_json_writes(record: dict[str, object]) -> None:
+    line = accesslog.encode_line(record)
+    assert line == json.dumps(record, separators=(",", ":"))
+    assert line.isascii() and "\n" not in line and json.loads(line) == record

@@ -50,7 +50,7 @@ from proxy.routing.profile import profile_request
 
 log = logging.getLogger("tokenlane")
 
-now = time.perf_counter
+now = time.monotonic
 
 # Relayed unchanged through the last lane.
 PASSTHROUGH_PATHS = (

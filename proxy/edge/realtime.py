@@ -38,7 +38,7 @@ from proxy.relay.upstream import (
     open_websocket,
 )
 
-now = time.perf_counter
+now = time.monotonic
 PATH = "/v1/realtime"
 # The client's handshake headers that are about its own connection to the gateway: the
 # upstream handshake makes its own.

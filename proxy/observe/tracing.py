@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenlane")
 
-now = time.perf_counter
+now = time.monotonic
 
 # What the client may send and the gateway re-issues for each attempt.
 TRACE_HEADERS = (b"traceparent", b"tracestate")

@@ -228,6 +228,7 @@ _ID_BYTES = b"0123456789, \t\r\n"
 _TEMPLATE_MARK = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
 _TOKEN_IDS = b'"token_ids":['
 _TOKEN_END = b"]}]}"  # the ids' list, the choice, the choices, the chunk
+_TOKEN_CHUNK_END = _TOKEN_END + b"\n\n"
 _NULLED_END = b"null}]}\n\n"  # the same end, the ids nulled, the event ended
 _TOP_KEYS = frozenset(("id", "object", "created", "model", "choices"))
 _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason", "stop_reason",
@@ -410,7 +411,7 @@ class Splice:
     def take_chunk(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """``take_event`` of a read that is one whole event, its ``\\n\\n`` included (a read
         that stops short of it is not one: its end may still come)."""
-        if not chunk.endswith(b"\n\n"):
+        if not chunk.endswith(_TOKEN_CHUNK_END):
             return None
         return self._take(chunk, len(chunk) - 2, strip)
 
@@ -419,18 +420,23 @@ class Splice:
         token chunk of the learned template, as ``observe`` would note it without parsing it;
         (the event as it goes to the client, ``\\n\\n`` ended and its ids nulled when
         ``strip``, whether it holds text). None when it is not one: it is to be parsed."""
+        if not event.endswith(_TOKEN_END):
+            return None
         return self._take(event, len(event), strip)
 
     def _take(self, event: bytes, end: int, strip: bool) -> tuple[bytes, bool] | None:
-        # One pass of bytes methods, no call per check: this runs for every token.
+        # ``event[:end]`` ends with _TOKEN_END. One pass of bytes methods, no call per check:
+        # this runs for every token.
         head = self.head
-        if head is None or not event.startswith(head) or not event.endswith(_TOKEN_END, 0, end):
+        if head is None or not event.startswith(head):
             return None
         h = len(head)
-        t = event.rfind(self.tail, h, end)
-        # No quote in the text (escaped, or a second event in the read) and no backslash at
-        # its end (the tail's quote would be escaped): else parsed.
-        if t < h or event.find(b'"', h, t) >= 0 or (t > h and event[t - 1] == 0x5C):
+        # The text's closing quote is the first quote after the head, and the tail starts
+        # there: a text holding a quote (escaped) is parsed, as is one ending in a backslash
+        # (its closing quote could be an escaped one). The tail ends in "[", so it cannot
+        # reach into the end's "]}]}": the ids are what lies between.
+        t = event.find(b'"', h, end)
+        if t < 0 or not event.startswith(self.tail, t) or (t > h and event[t - 1] == 0x5C):
             return None
         opens = t + len(self.tail)
         raw = event[opens : end - 4]
@@ -467,9 +473,9 @@ class Splice:
         while (end := data.find(b"\n\n", stop)) >= 0:
             if not data.startswith(head, stop) or not data.endswith(_TOKEN_END, stop, end):
                 break
-            t = data.rfind(tail, stop + h, end)
-            # Text, with no quote and no backslash at its end (as in ``_take``).
-            if t <= stop + h or data.find(b'"', stop + h, t) >= 0 or data[t - 1] == 0x5C:
+            # Text, with no quote and no backslash at its end, then the tail (as in ``_take``).
+            t = data.find(b'"', stop + h, end)
+            if t <= stop + h or not data.startswith(tail, t) or data[t - 1] == 0x5C:
                 break
             opens = t + len(tail)
             lists.append(data[opens : end - 4])

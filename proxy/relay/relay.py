@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
     from proxy.config import LaneConfig, Policy
 
-now = time.perf_counter
+now = time.monotonic
 
 # Not forwarded upstream: hop-by-hop, what the upstream client sets itself, and the client's
 # own credentials (a replica has its own key; a client's key must never reach it).

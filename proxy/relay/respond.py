@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
     from proxy.config import Policy
 
-now = time.perf_counter
+# The gateway's clock for durations: monotonic, the clock of ``Attempt.last_progress`` and the
+# stall detectors, so that a relayed chunk's one reading serves its progress and its pace.
+now = time.monotonic
 
 # Hop-by-hop headers (RFC 9110 7.6.1): about one connection, never relayed either way.
 HOP_BY_HOP = frozenset(
@@ -322,9 +324,9 @@ class StreamFlow:
         writer = call.body_writer
         self.writer = writer if writer is not None and writer.direct() else None
 
-    def content(self) -> None:
-        """A chunk with content went to the client: TTFT or an inter-token time."""
-        t2 = now()
+    def content(self, t2: float) -> None:
+        """A chunk with content went to the client at ``t2`` (``now()``): TTFT or an
+        inter-token time."""
         if self.found:
             self.itl.observe(t2 - self.t, t2)
         else:
@@ -371,11 +373,11 @@ class _Relayed(StreamFlow):
         self.whole = whole
 
     def __call__(self, chunk: bytes) -> bytes | None:
-        self.attempt.last_progress = time.monotonic()
+        self.attempt.last_progress = t = now()
         writer = self.writer
         room = writer.write_body(chunk) if writer is not None else True
         self.before, self.last = self.last, chunk
-        self.content()
+        self.content(t)
         if self.keep_tail:
             if self.whole is None:
                 self.tail = (self.tail + chunk)[-2048:]

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from proxy.config import LaneConfig, Policy
 
-now = time.perf_counter
+now = time.monotonic
 
 
 class Resumer:
@@ -228,7 +228,7 @@ class Resumer:
                         await unsent()
                         unsent = None
                     if content:
-                        flow.content()
+                        flow.content(now())
                 if ended or trigger:
                     break
         except UpstreamError as exc:
@@ -586,8 +586,8 @@ class _TokenRelay(StreamFlow):
         token = self.sp.take_chunk(chunk, self.strip)
         if token is None:
             return chunk
-        self.attempt.last_progress = time.monotonic()
+        self.attempt.last_progress = t = now()
         room = writer.write_body(token[0])
         if token[1]:
-            self.content()
+            self.content(t)
         return None if room else PAUSE
