@@ -442,7 +442,7 @@ class Splice:
         raw = event[opens : end - 4]
         if plain_id(raw):  # one id: the common case
             self.ids.append(int(raw))
-        elif raw and plain_ids(raw):
+        elif raw and _RUN_IDS.fullmatch(raw) is not None:  # several ids; junk fails fast
             self.ids.extend(map(int, raw.split(b",")))
         elif raw:
             return None
