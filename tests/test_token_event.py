@@ -275,3 +275,77 @@ def test_a_run_ends_before_a_chunk_that_is_not_plainly_one(bad: bytes) -> None:
     assert sp.ids == [7, 1, 1]
     assert sp.take_run(read, run[1], False) is None
     assert sp.ids == [7, 1, 1]
+
+
+class _Writer:
+    """The server's direct body writer, recording what it is given."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def direct(self) -> bool:
+        return True
+
+    def write_body(self, data: bytes) -> bool:
+        self.written.append(data)
+        return True
+
+
+def _token_relay(wants_usage: bool) -> tuple[Any, Splice, _Writer]:
+    """An eligible stream's pump handler after its start, as ``Resumer.relay`` makes it."""
+    from proxy.fleet.replica import make_replica
+    from proxy.observe.metrics import Metrics
+    from proxy.policyfile import build_policy
+    from proxy.relay.call import Attempt, Call
+    from proxy.relay.resume import _TokenRelay
+
+    from .gateway import policy_for
+
+    policy = build_policy(policy_for({"p": ["http://127.0.0.1:9"]}))
+    call = Call(request_id="r", kind="chat", path="/v1/chat/completions", body=b"{}",
+                headers=[], stream=True, model="m", lane=policy.lanes[0], profile=None,
+                wants_usage=wants_usage, received_at=0.0)  # fmt: skip
+    replica = make_replica("p", policy.pools["p"].replicas[0], {})
+    sp = Splice("chat", BODY, wants_usage)
+    sp.observe(json.loads(chat_chunk("", [], prompt_token_ids=[1, 2])[6:]))  # the role chunk
+    writer = _Writer()
+    call.body_writer = writer
+    flow = _TokenRelay(call, Attempt(replica, None), Metrics(), sp, EventBuffer(), strip=True)
+    flow.started()
+    return flow, sp, writer
+
+
+def test_the_pump_handler_notes_and_writes_single_events_that_decide_nothing() -> None:
+    """After the start, a read that is one event the relay's loop would only note and relay
+    is written from the connection's callback (the loop's task is not woken): an ordinary
+    token chunk unparsed, and parsed ones: a text holding a quote (no template for it), the
+    finish, the usage. What the loop decides on is handed back untouched: [DONE], an error,
+    the engine's abort, a comment, two events in one read."""
+    flow, sp, writer = _token_relay(wants_usage=True)
+    quoted = chat_chunk('say "hi"', [7]) + b"\n\n"  # no template yet: parsed, and learns none
+    first = chat_chunk(" a", [8]) + b"\n\n"  # parsed: the template is learned from it
+    plain = chat_chunk(" b", [9]) + b"\n\n"  # unparsed (take_chunk)
+    finish = chat_chunk("", [], "stop") + b"\n\n"
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    last = compact({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                    "model": "m", "choices": [], "usage": usage}) + b"\n\n"  # fmt: skip
+    for chunk in (quoted, first, plain, finish, last):
+        assert flow(chunk) is None, chunk
+    assert writer.written == [
+        strip_ids(c[:-2]) + b"\n\n" for c in (quoted, first, plain, finish, last)
+    ]
+    assert b'"token_ids":[' not in b"".join(writer.written)  # the client did not ask
+    assert sp.ids == [7, 8, 9] and sp.text_ids == 3 and sp.finish_reason == "stop"
+    assert sp.head is not None and flow.call.usage == usage
+    assert flow.call.content_chunks == 3  # the three texts, as the loop counts them
+    handed_back = [
+        b"data: [DONE]\n\n",
+        b'data: {"error":{"message":"engine died","type":"Error","param":null,"code":500}}\n\n',
+        chat_chunk("", [], "abort") + b"\n\n",
+        b": keep-alive\n\n",
+        plain + plain,
+        plain[:-1],  # not a whole event yet
+    ]
+    for chunk in handed_back:
+        assert flow(chunk) == chunk, chunk
+    assert sp.ids == [7, 8, 9] and sp.finish_reason == "stop" and len(writer.written) == 5

@@ -241,6 +241,20 @@ _NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 _RUN_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*")
 
 
+def relayed_as_is(obj: Any) -> bool:
+    """Whether a parsed event is one the relay only notes and relays, deciding nothing: a
+    chunk whose first choice (if any) is a mapping that is not the engine's abort ending
+    (``Splice.observe``'s ``ABORT``). Errors (``sse.is_error``) are told apart before."""
+    if not isinstance(obj, dict):
+        return False
+    choices = obj.get("choices")
+    if not choices:
+        return True
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        return False
+    return choices[0].get("finish_reason") != "abort"
+
+
 def plain_id(one: bytes) -> bool:
     """One token id as JSON writes it: digits, no leading zero, of a sane length (a hostile
     upstream's 5,000-digit "id" is parsed, and refused there, not read)."""

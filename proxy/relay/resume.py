@@ -190,14 +190,9 @@ class Resumer:
                                 raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
                             trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
                             break
-                        if sp.head is None:
-                            sp.learn_template(ev, obj)
-                        usage = obj.get("usage")
-                        if isinstance(usage, dict):
-                            call.usage = usage
-                        out.append((cont.strip_ids(ev) if strip else ev) + b"\n\n")
-                        if not content and sse.carries_content(obj):
-                            content = True
+                        relayed, has_content = _noted(call, sp, ev, obj, strip)
+                        out.append(relayed)
+                        content = content or has_content
                         if content and not call.started:
                             # The first content goes out now, the rest of the read after it
                             # (``EventBuffer.reads``): a burst's other 64 events cost
@@ -553,10 +548,13 @@ _FAULT_TRIGGER = {
 
 
 class _TokenRelay(StreamFlow):
-    """An eligible stream's ordinary token chunks after its start (one event of the learned
-    template per read, ``Splice.take_chunk``): noted, their ids hidden when the client did
-    not ask, and written to the client at once. Anything else, and everything while the
-    server offers no direct writer, is handed back to ``Resumer.relay``'s loop."""
+    """An eligible stream's reads after its start that are one event each and decide nothing:
+    an ordinary token chunk of the learned template (``Splice.take_chunk``, unparsed), or
+    another event the loop would only note and relay (parsed: a finish, usage, a text with a
+    quote). Noted, their ids hidden when the client did not ask, and written to the client at
+    once, without waking the relay's task. Anything else (``[DONE]``, an error, an abort,
+    several events in a read), and everything while the server offers no direct writer, is
+    handed back to ``Resumer.relay``'s loop."""
 
     __slots__ = ("events", "sp", "strip")
 
@@ -584,10 +582,40 @@ class _TokenRelay(StreamFlow):
         if writer is None or not self.events.empty:
             return chunk
         token = self.sp.take_chunk(chunk, self.strip)
-        if token is None:
+        if token is None and (token := self._parsed(chunk)) is None:
             return chunk
         self.attempt.last_progress = t = now()
         room = writer.write_body(token[0])
         if token[1]:
             self.content(t)
         return None if room else PAUSE
+
+    def _parsed(self, chunk: bytes) -> tuple[bytes, bool] | None:
+        """A read that is one event of another kind the relay's loop would only note and
+        relay (a finish, usage, a text with a quote or a backslash): parsed and noted here,
+        as the loop notes it (``_noted``), without waking the loop's task. None for what the
+        loop decides on (``[DONE]``, an error, an abort, what is not JSON) or a read of
+        several events: it is handed back."""
+        end = len(chunk) - 2
+        if not chunk.endswith(b"\n\n") or chunk.find(b"\n\n", 0, end) >= 0:
+            return None
+        event = chunk[:end]
+        obj = sse.parse_event(event)
+        if sse.is_error(obj) or not cont.relayed_as_is(obj):
+            return None
+        self.sp.observe(obj)  # not an abort: nothing to decide
+        return _noted(self.call, self.sp, event, obj, self.strip)
+
+
+def _noted(
+    call: Call, sp: cont.Splice, event: bytes, obj: dict[str, Any], strip: bool
+) -> tuple[bytes, bool]:
+    """An eligible stream's event that is relayed as it is, observed already: the template
+    learned from it while there is none, its usage kept; (the event as the client gets it,
+    ``\\n\\n`` ended and its ids nulled when ``strip``, whether it carries content)."""
+    if sp.head is None:
+        sp.learn_template(event, obj)
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        call.usage = usage
+    return (cont.strip_ids(event) if strip else event) + b"\n\n", sse.carries_content(obj)
