@@ -592,10 +592,10 @@ class _TokenRelay(StreamFlow):
 
     def _parsed(self, chunk: bytes) -> tuple[bytes, bool] | None:
         """A read that is one event of another kind the relay's loop would only note and
-        relay (a finish, usage, a text with a quote or a backslash): parsed and noted here,
-        as the loop notes it (``_noted``), without waking the loop's task. None for what the
-        loop decides on (``[DONE]``, an error, an abort, what is not JSON) or a read of
-        several events: it is handed back."""
+        relay (a finish, usage, a text with a quote or ending in a backslash): parsed and
+        noted here, as the loop notes it (``_noted``), without waking the loop's task. None
+        for what the loop decides on (``[DONE]``, an error, an abort, what is not JSON) or a
+        read of several events: it is handed back."""
         end = len(chunk) - 2
         if not chunk.endswith(b"\n\n") or chunk.find(b"\n\n", 0, end) >= 0:
             return None
