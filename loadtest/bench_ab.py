@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ import yaml
 
 from . import gateways
 from .bench_overhead import burst_run, mocks, paced_run
-from .procs import free_port, wait_http
+from .procs import free_port, process, wait_http
 
 FIGURES = {
     "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
@@ -100,12 +99,10 @@ def run(
             policy["continuation"] = {"enabled": continuation}
             path = Path(tmp) / f"policy-{i}.yaml"
             path.write_text(yaml.safe_dump(policy))
-            log = stack.enter_context((Path(tmp) / f"gateway-{i}.log").open("w"))
             argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
-            gw = subprocess.Popen(
-                [*argv, "--log-level", "info"], cwd=tree, stdout=log, stderr=subprocess.STDOUT
-            )
-            stack.callback(_stop, gw)
+            log = Path(tmp) / f"gateway-{i}.log"
+            # Stopped as a process group: a gateway with workers leaves none behind.
+            gw = stack.enter_context(process([*argv, "--log-level", "info"], log=log, cwd=tree))
             wait_http(f"http://127.0.0.1:{port}/ready")
             running.append((spec, port, gw.pid))
         for _, port, pid in running:  # warm-up: pools, caches, the first requests' imports
@@ -127,15 +124,6 @@ def run(
 
 async def _paced(port: int, pid: int) -> dict[str, float]:
     return await paced_run(port, 256, pid)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 if __name__ == "__main__":

@@ -45,8 +45,10 @@ def spawn(
     log: Path | None = None,
     stderr: Stream = subprocess.DEVNULL,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session with no stdin, our environment plus ``env``.
+    """Start ``argv`` in its own session with no stdin, our environment plus ``env``, in
+    ``cwd`` (ours when None).
 
     With ``log``, stdout and stderr are appended to that file (read it when a run fails);
     without, stdout is discarded and stderr goes to ``stderr`` (``None`` inherits ours).
@@ -60,6 +62,7 @@ def spawn(
             stderr=stderr,
             start_new_session=True,
             env=environ,
+            cwd=cwd,
         )
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
@@ -69,6 +72,7 @@ def spawn(
             stderr=out,
             start_new_session=True,
             env=environ,
+            cwd=cwd,
         )
 
 
@@ -93,9 +97,10 @@ def process(
     stderr: Stream = subprocess.DEVNULL,
     grace_s: float = 10.0,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` (see :func:`spawn`) for the duration of the block, then :func:`stop` it."""
-    proc = spawn(argv, log=log, stderr=stderr, env=env)
+    proc = spawn(argv, log=log, stderr=stderr, env=env, cwd=cwd)
     try:
         yield proc
     finally:

@@ -164,6 +164,10 @@ def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> Non
     assert chunk["choices"][0]["delta"] == {"content": "b"}
     assert chunk["choices"][0]["token_ids"] is None  # the client did not ask
     assert sp.observe({"choices": [{"text": "", "finish_reason": "abort"}]}) is Trigger.ABORT
+    # An abort notes nothing: observed twice (the pump's handler, then the loop), no id added.
+    aborted = {"choices": [{"text": "x", "token_ids": [99], "finish_reason": "abort"}]}
+    assert sp.observe(aborted) is sp.observe(aborted) is Trigger.ABORT
+    assert 99 not in sp.ids and sp.finish_reason is None
     sp.observe({"choices": [{"text": "b", "token_ids": [11]}]})
     assert sp.usage() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
 

@@ -236,23 +236,9 @@ _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason",
 _NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
-# The ids of a run of token chunks (``Splice.take_run``), joined by commas: ``plain_ids`` in
-# one pass of the expression engine rather than a call per id.
+# Ids and commas as vLLM writes a ``token_ids`` list (``plain_id``'s rule for each): one pass
+# of the expression engine rather than a call per id, refusing junk at its first bad byte.
 _RUN_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*")
-
-
-def relayed_as_is(obj: Any) -> bool:
-    """Whether a parsed event is one the relay only notes and relays, deciding nothing: a
-    chunk whose first choice (if any) is a mapping that is not the engine's abort ending
-    (``Splice.observe``'s ``ABORT``). Errors (``sse.is_error``) are told apart before."""
-    if not isinstance(obj, dict):
-        return False
-    choices = obj.get("choices")
-    if not choices:
-        return True
-    if not isinstance(choices, list) or not isinstance(choices[0], dict):
-        return False
-    return choices[0].get("finish_reason") != "abort"
 
 
 def plain_id(one: bytes) -> bool:
@@ -263,7 +249,7 @@ def plain_id(one: bytes) -> bool:
 
 def plain_ids(ids: bytes) -> bool:
     """Whether the bytes inside a ``token_ids`` list are ids and commas, as vLLM writes."""
-    return not ids or all(plain_id(one) for one in ids.split(b","))
+    return not ids or _RUN_IDS.fullmatch(ids) is not None
 
 
 def strip_ids(event: bytes) -> bytes:
@@ -353,7 +339,8 @@ class Splice:
 
     def observe(self, obj: dict[str, Any]) -> Trigger | None:
         """Note one chunk of the stream (first segment or continuation); ``ABORT`` when it
-        is the engine's abort ending, which is not relayed."""
+        is the engine's abort ending, which is not relayed and of whose choice nothing is
+        noted (so a reader that hands such a chunk on may let the next observe it again)."""
         if self.id is None:
             self.id = obj.get("id")
             self.created = obj.get("created")
@@ -372,12 +359,12 @@ class Splice:
             p = choice.get("prompt_token_ids")  # completions put them on the choice
             if isinstance(p, list):
                 self.prompt_ids = p
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.ids.extend(ids)
         finish = choice.get("finish_reason")
         if finish == "abort":
             return Trigger.ABORT
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.ids.extend(ids)
         text = choice.get("text")
         delta = choice.get("delta")
         if isinstance(delta, dict):
@@ -456,7 +443,7 @@ class Splice:
         raw = event[opens : end - 4]
         if plain_id(raw):  # one id: the common case
             self.ids.append(int(raw))
-        elif raw and _RUN_IDS.fullmatch(raw) is not None:  # several ids; junk fails fast
+        elif raw and plain_ids(raw):
             self.ids.extend(map(int, raw.split(b",")))
         elif raw:
             return None

@@ -131,9 +131,14 @@ class Resumer:
             async for chunk in flow.handed_back(response):
                 attempt.last_progress = time.monotonic()
                 # An ordinary token chunk is relayed without parsing it: a read that is one
-                # (vLLM sends one event per token) skips the event split too.
+                # (vLLM sends one event per token) skips the event split too. With a direct
+                # writer the handler tried that already, and this read is what it declined.
                 out: list[bytes]
-                if events.empty and (token := sp.take_chunk(chunk, strip)) is not None:
+                if (
+                    flow.writer is None
+                    and events.empty
+                    and (token := sp.take_chunk(chunk, strip)) is not None
+                ):
                     out = [token[0]]
                     content = token[1]
                 else:
@@ -601,9 +606,10 @@ class _TokenRelay(StreamFlow):
             return None
         event = chunk[:end]
         obj = sse.parse_event(event)
-        if sse.is_error(obj) or not cont.relayed_as_is(obj):
+        if not isinstance(obj, dict) or sse.is_error(obj):
             return None
-        self.sp.observe(obj)  # not an abort: nothing to decide
+        if self.sp.observe(obj) is not None:
+            return None  # the abort, of which nothing was noted: the loop observes it again
         return _noted(self.call, self.sp, event, obj, self.strip)
 
 
