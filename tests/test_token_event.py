@@ -13,8 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadtest.sim.formats import StreamFormat
+from proxy.fleet.replica import make_replica
+from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
+from proxy.relay.call import Attempt, Call
 from proxy.relay.continuation import Splice, strip_ids
+from proxy.relay.resume import _TokenRelay
 from proxy.relay.sse import EventBuffer
+
+from .gateway import policy_for
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "stream": True}
 
@@ -293,14 +300,6 @@ class _Writer:
 
 def _token_relay(wants_usage: bool) -> tuple[Any, Splice, _Writer]:
     """An eligible stream's pump handler after its start, as ``Resumer.relay`` makes it."""
-    from proxy.fleet.replica import make_replica
-    from proxy.observe.metrics import Metrics
-    from proxy.policyfile import build_policy
-    from proxy.relay.call import Attempt, Call
-    from proxy.relay.resume import _TokenRelay
-
-    from .gateway import policy_for
-
     policy = build_policy(policy_for({"p": ["http://127.0.0.1:9"]}))
     call = Call(request_id="r", kind="chat", path="/v1/chat/completions", body=b"{}",
                 headers=[], stream=True, model="m", lane=policy.lanes[0], profile=None,
