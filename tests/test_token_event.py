@@ -133,6 +133,27 @@ def test_two_events_in_one_read_are_not_one_token_chunk_but_each_is_one() -> Non
     assert sp.ids == [7, 1, 2]
 
 
+def test_ids_noted_as_they_came_read_the_same_at_any_point() -> None:
+    """``Splice`` keeps each chunk's ids as it came and decodes them when read (at a seam):
+    a read between notes sees every note before it, parsed or not."""
+    sp = learned()  # [7], parsed
+    assert (sp.ids, sp.text_ids) == ([7], 1)
+    assert sp.take_chunk(chat_chunk("", [240, 159]) + b"\n\n", True) is not None  # no text
+    assert (sp.ids, sp.text_ids) == ([7, 240, 159], 1)
+    sp.observe(json.loads(chat_chunk("", [152])[6:]))  # parsed, no text either
+    assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152], 1)
+    assert sp.take_chunk(chat_chunk("🙂", [128]) + b"\n\n", True) is not None
+    assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152, 128], 5)
+    sp.ids.append(1)  # a copy: what is read cannot change what was noted
+    read = b"".join(chat_chunk(f" {i}", [i, i + 1]) + b"\n\n" for i in (20, 30))
+    assert sp.take_run(read, 0, True) is not None
+    assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152, 128, 20, 21, 30, 31], 9)
+    assert sp.take_chunk(chat_chunk("", [240]) + b"\n\n", True) is not None
+    assert sp.text_ids == 9
+    sp.observe(json.loads(chat_chunk("", [], "length")[6:]))  # the finish: no ids, all shown
+    assert (sp.ids[-1], sp.text_ids) == (240, 10)
+
+
 def test_a_read_that_stops_before_its_events_end_is_not_a_token_chunk() -> None:
     """Its ``\\n\\n`` may be in the next read: taken now, the event would end twice."""
     sp = learned()

@@ -236,15 +236,11 @@ _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason",
 _NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
-# Ids and commas as vLLM writes a ``token_ids`` list (``plain_id``'s rule for each): one pass
-# of the expression engine rather than a call per id, refusing junk at its first bad byte.
+# Ids and commas as vLLM writes a ``token_ids`` list: each id digits, no leading zero, of a
+# sane length (a hostile upstream's 5,000-digit "id" is parsed, and refused there, not read).
+# One pass of the expression engine rather than a call per id, refusing junk at its first bad
+# byte.
 _RUN_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*")
-
-
-def plain_id(one: bytes) -> bool:
-    """One token id as JSON writes it: digits, no leading zero, of a sane length (a hostile
-    upstream's 5,000-digit "id" is parsed, and refused there, not read)."""
-    return one.isdigit() and len(one) <= 18 and (one[0] != 0x30 or len(one) == 1)
 
 
 def plain_ids(ids: bytes) -> bool:
@@ -283,9 +279,14 @@ class Splice:
 
     ``ids`` are every generated id; ``text_ids`` how many of them ended in a chunk that
     carried text (or finished): a trailing id without text (the first bytes of a character
-    spanning several ids) was never shown, so it is regenerated rather than replayed."""
+    spanning several ids) was never shown, so it is regenerated rather than replayed.
+
+    Both are read only at a seam or the end, so each chunk's ids are kept as they came
+    (``lists``) and decoded when read: a token chunk then costs a slice and an append, not
+    an ``int`` (about 0.6 µs a chunk in the gateway under 256 paced streams)."""
 
     __slots__ = (
+        "_decoded",
         "body",
         "client_wants_ids",
         "created",
@@ -294,16 +295,16 @@ class Splice:
         "finish_reason",
         "head",
         "id",
-        "ids",
         "kind",
+        "lists",
         "max_tokens",
         "model",
         "prompt_ids",
         "reasoning_open",
         "seams",
+        "shown",
         "system_fingerprint",
         "tail",
-        "text_ids",
         "tool_call",
         "wants_usage",
     )
@@ -320,8 +321,11 @@ class Splice:
             mt = 16  # vLLM's default on /v1/completions
         self.max_tokens: int | None = mt if isinstance(mt, int) else None
         self.prompt_ids: list[int] | None = None
-        self.ids: list[int] = []
-        self.text_ids = 0
+        # Each chunk's ids as noted: the bytes inside its list ("12" or "12,13", checked as
+        # vLLM writes ids) for a chunk read unparsed, the list itself for a parsed one.
+        self.lists: list[bytes | list[Any]] = []
+        self.shown = 0  # how many of ``lists`` came in a chunk with text, or the finish
+        self._decoded: tuple[int, int, list[int], int] | None = None  # (lists, shown) read as
         self.id: Any = None
         self.created: Any = None
         self.model: Any = None
@@ -363,8 +367,8 @@ class Splice:
         if finish == "abort":
             return Trigger.ABORT
         ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.ids.extend(ids)
+        if isinstance(ids, list) and ids:
+            self.lists.append(ids)
         text = choice.get("text")
         delta = choice.get("delta")
         if isinstance(delta, dict):
@@ -375,11 +379,41 @@ class Splice:
             text = delta.get("content")
         if text:
             self.reasoning_open = False
-            self.text_ids = len(self.ids)
+            self.shown = len(self.lists)
         if finish is not None:
             self.finish_reason = finish
-            self.text_ids = len(self.ids)
+            self.shown = len(self.lists)
         return None
+
+    @property
+    def ids(self) -> list[int]:
+        """Every generated id so far."""
+        return list(self._decode()[0])
+
+    @property
+    def text_ids(self) -> int:
+        """How many of ``ids`` ended in a chunk with text (or the finish)."""
+        return self._decode()[1]
+
+    def _decode(self) -> tuple[list[int], int]:
+        # A seam reads ``text_ids`` several times with nothing noted in between: decoded once.
+        n, shown = len(self.lists), self.shown
+        memo = self._decoded
+        if memo is not None and memo[0] == n and memo[1] == shown:
+            return memo[2], memo[3]
+        ids: list[int] = []
+        text = 0
+        for i, one in enumerate(self.lists):
+            if i == shown:
+                text = len(ids)
+            if isinstance(one, bytes):
+                ids.extend(map(int, one.split(b",")))
+            else:
+                ids.extend(one)
+        if shown >= n:
+            text = len(ids)
+        self._decoded = (n, shown, ids, text)
+        return ids, text
 
     def learn_template(self, event: bytes, obj: dict[str, Any]) -> None:
         """Take this stream's token-chunk head and tail from ``event`` (parsed as ``obj``)
@@ -410,50 +444,48 @@ class Splice:
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
 
     def take_chunk(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
-        """``take_event`` of a read that is one whole event, its ``\\n\\n`` included (a read
-        that stops short of it is not one: its end may still come)."""
-        if not chunk.endswith(_TOKEN_CHUNK_END):
-            return None
-        return self._take(chunk, len(chunk) - 2, strip)
+        """Note a read that is one whole event, its ``\\n\\n`` included, when it is an
+        ordinary token chunk of the learned template, as ``observe`` would note it without
+        parsing it: (the event as it goes to the client, its ids nulled when ``strip``;
+        whether it holds text). None when it is not one (a read that stops short of its
+        ``\\n\\n`` is not: its end may still come): it is to be parsed.
 
-    def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
-        """Note ``event`` (split from a read, without its ``\\n\\n``) when it is an ordinary
-        token chunk of the learned template, as ``observe`` would note it without parsing it;
-        (the event as it goes to the client, ``\\n\\n`` ended and its ids nulled when
-        ``strip``, whether it holds text). None when it is not one: it is to be parsed."""
-        if not event.endswith(_TOKEN_END):
-            return None
-        return self._take(event, len(event), strip)
-
-    def _take(self, event: bytes, end: int, strip: bool) -> tuple[bytes, bool] | None:
-        # ``event[:end]`` ends with _TOKEN_END. One pass of bytes methods, no call per check:
-        # this runs for every token.
+        One frame of bytes methods, no call per check: it runs for every token, in the
+        upstream connection's callback, where a call costs several times what it does in a
+        micro-benchmark (``Splice`` docstring)."""
         head = self.head
-        if head is None or not event.startswith(head):
+        if head is None or not chunk.endswith(_TOKEN_CHUNK_END) or not chunk.startswith(head):
             return None
         h = len(head)
         # The text's closing quote is the first quote after the head, and the tail starts
         # there: a text holding a quote (escaped) is parsed, as is one ending in a backslash
         # (its closing quote could be an escaped one). The tail ends in "[", so it cannot
         # reach into the end's "]}]}": the ids are what lies between.
-        t = event.find(b'"', h, end)
-        if t < 0 or not event.startswith(self.tail, t) or (t > h and event[t - 1] == 0x5C):
+        t = chunk.find(b'"', h)
+        tail = self.tail
+        if t < 0 or not chunk.startswith(tail, t) or (t > h and chunk[t - 1] == 0x5C):
             return None
-        opens = t + len(self.tail)
-        raw = event[opens : end - 4]
-        if plain_id(raw):  # one id: the common case
-            self.ids.append(int(raw))
+        opens = t + len(tail)
+        raw = chunk[opens:-6]
+        # One id (``plain_ids``'s rule for one, spelled out: the common case), or several;
+        # anything else, such as the rest of a second event in the read, is parsed.
+        if raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1):
+            self.lists.append(raw)
         elif raw and plain_ids(raw):
-            self.ids.extend(map(int, raw.split(b",")))
+            self.lists.append(raw)
         elif raw:
             return None
         text = t > h
         if text:
             self.reasoning_open = False
-            self.text_ids = len(self.ids)
+            self.shown = len(self.lists)
         if strip:
-            return event[: opens - 1] + _NULLED_END, text
-        return (event if end < len(event) else event + b"\n\n"), text
+            return chunk[: opens - 1] + _NULLED_END, text
+        return chunk, text
+
+    def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
+        """``take_chunk`` of an event split from a read, without its ``\\n\\n``."""
+        return self.take_chunk(event + b"\n\n", strip)
 
     def take_run(self, data: bytes, start: int, strip: bool) -> tuple[bytes, int] | None:
         """The ordinary token chunks with text that follow one another in ``data`` from
@@ -461,8 +493,9 @@ class Splice:
         go to the client, ``\\n\\n`` ended and ids nulled when ``strip``; where they end). None
         when the event at ``start`` is not one.
 
-        ``_take``'s checks in one loop, without a call or a result per event: 64 token chunks
-        in a read cost 65-80 % of what they cost one by one (``loadtest/bench_parse.py``)."""
+        ``take_chunk``'s checks in one loop, without a call or a result per event: 64 token
+        chunks in a read cost 65-80 % of what they cost one by one (``loadtest/bench_parse.py``),
+        their ids one noted list."""
         head = self.head
         if head is None or not data.startswith(head, start):
             return None
@@ -474,7 +507,7 @@ class Splice:
         while (end := data.find(b"\n\n", stop)) >= 0:
             if not data.startswith(head, stop) or not data.endswith(_TOKEN_END, stop, end):
                 break
-            # Text, with no quote and no backslash at its end, then the tail (as in ``_take``).
+            # Text, with no quote and no backslash at its end, then the tail (``take_chunk``).
             t = data.find(b'"', stop + h, end)
             if t <= stop + h or not data.startswith(tail, t) or data[t - 1] == 0x5C:
                 break
@@ -496,9 +529,9 @@ class Splice:
                 stop = data.find(b"\n\n", stop) + 2
             ids = b",".join(filter(None, lists))
         if ids:
-            self.ids.extend(map(int, ids.split(b",")))
+            self.lists.append(ids)
         self.reasoning_open = False
-        self.text_ids = len(self.ids)
+        self.shown = len(self.lists)
         if strip:
             return _NULLED_END.join(kept) + _NULLED_END, stop
         return data[start:stop], stop
@@ -531,7 +564,7 @@ class Splice:
     def continuation_body(self, model: str | None) -> dict[str, Any]:
         """The ``/v1/completions`` request that goes on from the last id the client saw."""
         assert self.prompt_ids is not None
-        del self.ids[self.text_ids :]  # ids that produced no text yet are regenerated
+        del self.lists[self.shown :]  # ids that produced no text yet are regenerated
         remaining = None if self.max_tokens is None else self.max_tokens - self.text_ids
         out: dict[str, Any] = {
             "model": model if model is not None else self.model,
