@@ -325,7 +325,8 @@ class Splice:
         # vLLM writes ids) for a chunk read unparsed, the list itself for a parsed one.
         self.lists: list[bytes | list[Any]] = []
         self.shown = 0  # how many of ``lists`` came in a chunk with text, or the finish
-        self._decoded: tuple[int, int, list[int], int] | None = None  # (lists, shown) read as
+        # (how many lists, shown, ids, text ids) when last decoded: a seam reads them often
+        self._decoded: tuple[int, int, list[int], int] | None = None
         self.id: Any = None
         self.created: Any = None
         self.model: Any = None
