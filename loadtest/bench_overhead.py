@@ -259,10 +259,15 @@ def otlp_sink() -> Iterator[str]:
 
 @contextlib.contextmanager
 def fleet(
-    interval_ms: float, continuation: bool = False, tracing: bool = False
+    interval_ms: float,
+    continuation: bool = False,
+    tracing: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[tuple[list[int], int, int]]:
     """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid.
-    ``tracing``: the gateway exports its spans to a receiver in this process."""
+    ``tracing``: the gateway exports its spans to a receiver in this process. ``env``: more of
+    the gateway's environment; ``cwd``: the source tree it runs from (ours when None)."""
     ports = [free_port(), free_port()]
     gw_port = free_port()
     with contextlib.ExitStack() as stack:
@@ -288,9 +293,9 @@ def fleet(
         policy["continuation"] = {"enabled": continuation}
         if REDIS_URL:
             policy["redis"] = {"url": REDIS_URL}
-        env = None
+        env = dict(env or {})
         if tracing:
-            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": stack.enter_context(otlp_sink())}
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = stack.enter_context(otlp_sink())
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         path = Path(tmp) / "policy.yaml"
         path.write_text(yaml.safe_dump(policy))
@@ -309,6 +314,7 @@ def fleet(
                 ],
                 log=Path(tmp) / "gw.log",
                 env=env,
+                cwd=cwd,
             )
         )
         wait_http(f"http://127.0.0.1:{gw_port}/ready")
