@@ -140,7 +140,9 @@ def test_ids_noted_as_they_came_read_the_same_at_any_point() -> None:
     assert (sp.ids, sp.text_ids) == ([7], 1)
     assert sp.take_chunk(chat_chunk("", [240, 159]) + b"\n\n", True) is not None  # no text
     assert (sp.ids, sp.text_ids) == ([7, 240, 159], 1)
-    sp.observe(json.loads(chat_chunk("", [152])[6:]))  # parsed, no text either
+    parsed = json.loads(chat_chunk("", [152])[6:])
+    sp.observe(parsed)  # parsed, no text either
+    parsed["choices"][0]["token_ids"].append(0)  # the caller's object: noted as it was
     assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152], 1)
     assert sp.take_chunk(chat_chunk("🙂", [128]) + b"\n\n", True) is not None
     assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152, 128], 5)

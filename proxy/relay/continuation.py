@@ -369,7 +369,7 @@ class Splice:
             return Trigger.ABORT
         ids = choice.get("token_ids")
         if isinstance(ids, list) and ids:
-            self.lists.append(ids)
+            self.lists.append(list(ids))  # a copy: the parsed chunk is the caller's
         text = choice.get("text")
         delta = choice.get("delta")
         if isinstance(delta, dict):
@@ -566,6 +566,7 @@ class Splice:
         """The ``/v1/completions`` request that goes on from the last id the client saw."""
         assert self.prompt_ids is not None
         del self.lists[self.shown :]  # ids that produced no text yet are regenerated
+        self._decoded = None  # the memo's key (lengths) cannot tell a list cut and refilled
         remaining = None if self.max_tokens is None else self.max_tokens - self.text_ids
         out: dict[str, Any] = {
             "model": model if model is not None else self.model,
