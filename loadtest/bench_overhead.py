@@ -14,7 +14,8 @@ configuration is repeated and the median printed.
 
 ``--peer`` runs the same load through nginx (when installed), vllm-router (PyPI, installed
 into its own virtualenv on first use) and Tokenlane (and, with ``--workers N``, Tokenlane with
-N workers) in one run over the same two mocks, and prints one table: added TTFT p50 at
+N workers; and, unless ``--continuation on``, Tokenlane with continuation off, every stream
+relayed plain) in one run over the same two mocks, and prints one table: added TTFT p50 at
 concurrency 1, req/s and CPU ms per request at concurrency 64, CPU µs per relayed chunk and
 added ITL p99 of 256 paced streams. CPU is each gateway's whole process tree.
 
@@ -343,14 +344,18 @@ def mocks(interval_ms: float) -> Iterator[list[int]]:
 
 
 def run_peers(
-    seconds: float, repeat: int, workers: int, only: list[str] | None = None
+    seconds: float, repeat: int, workers: int, only: list[str] | None = None, plain: bool = True
 ) -> list[dict[str, Any]]:
-    """Every gateway over the same mocks, one after the other in this run (module docstring)."""
+    """Every gateway over the same mocks, one after the other in this run (module docstring).
+    ``plain``: Tokenlane also with continuation off, every stream relayed plain (continuation
+    on, the default, makes every stream of this load eligible, which costs per chunk)."""
     kinds: list[tuple[str, Any]] = [
         ("nginx", gateways.nginx),
         ("vllm-router", gateways.vllm_router),
         ("tokenlane", gateways.tokenlane),
     ]
+    if plain:
+        kinds.append(("tokenlane (plain)", lambda ups: gateways.tokenlane(ups, continuation=False)))
     if workers > 1:
         kinds.append((f"tokenlane x{workers}", lambda ups: gateways.tokenlane(ups, workers)))
     if only:
@@ -401,15 +406,15 @@ def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None
         f" (64 tokens, 50 ms apart), median of {repeat}"
     )
     print(
-        f"{'gateway':<14} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"
+        f"{'gateway':<17} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"
         f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | err"
     )
     for r in rows:
         if "unavailable" in r:
-            print(f"{r['gateway']:<14} | not run: {r['unavailable']}")
+            print(f"{r['gateway']:<17} | not run: {r['unavailable']}")
             continue
         print(
-            f"{r['gateway']:<14} | {r['added_ttft_p50_ms_c1']:>+10.2f} ms | {r['rps_c64']:>10.0f} |"
+            f"{r['gateway']:<17} | {r['added_ttft_p50_ms_c1']:>+10.2f} ms | {r['rps_c64']:>10.0f} |"
             f" {r['cpu_ms_per_req_c64']:>10.3f} | {r['cpu_us_per_chunk']:>12.1f} |"
             f" {r['added_itl_p99_ms']:>+5.2f} ms | {int(r['errors'])}"
         )
@@ -499,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         "--continuation",
         choices=["off", "on", "both"],
         default="both",
-        help="paced mode with continuation off, on, or both side by side",
+        help="paced mode with continuation off, on, or both side by side; with --peer, off or "
+        "both (the default) add a row for Tokenlane with continuation off",
     )
     parser.add_argument(
         "--tracing",
@@ -521,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out: dict[str, Any] = {"cores": os.cpu_count(), "repeat": args.repeat}
     if args.peer:
-        out["peers"] = run_peers(args.seconds, args.repeat, args.workers, args.only)
+        plain = args.continuation != "on"
+        out["peers"] = run_peers(args.seconds, args.repeat, args.workers, args.only, plain)
         print_peers(out["peers"], args.seconds, args.repeat)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))

@@ -54,17 +54,24 @@ def tokenlane_policy(port: int, upstreams: list[int], workers: int) -> dict[str,
 
 
 @contextlib.contextmanager
-def tokenlane(upstreams: list[int], workers: int = 1) -> Iterator[Running]:
+def tokenlane(
+    upstreams: list[int], workers: int = 1, continuation: bool = True
+) -> Iterator[Running]:
+    """A Tokenlane gateway; ``continuation`` off relays every stream plain (ineligible)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "policy.yaml"
-        path.write_text(yaml.safe_dump(tokenlane_policy(port, upstreams, workers)))
+        policy = tokenlane_policy(port, upstreams, workers)
+        if not continuation:
+            policy["continuation"] = {"enabled": False}
+        path.write_text(yaml.safe_dump(policy))
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
         # As `make run`: info, so the access log writes its line per request.
         argv += ["--log-level", "info"]
         with process(argv, log=Path(tmp) / "gw.log") as proc:
             wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=60)
             name = "tokenlane" if workers == 1 else f"tokenlane x{workers}"
+            name += "" if continuation else " (plain)"
             yield Running(name, port, proc.pid)
 
 
