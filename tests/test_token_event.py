@@ -147,6 +147,7 @@ def test_ids_noted_as_they_came_read_the_same_at_any_point() -> None:
     assert sp.take_chunk(chat_chunk("🙂", [128]) + b"\n\n", True) is not None
     assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152, 128], 5)
     sp.ids.append(1)  # a copy: what is read cannot change what was noted
+    assert sp.ids == [7, 240, 159, 152, 128]
     read = b"".join(chat_chunk(f" {i}", [i, i + 1]) + b"\n\n" for i in (20, 30))
     assert sp.take_run(read, 0, True) is not None
     assert (sp.ids, sp.text_ids) == ([7, 240, 159, 152, 128, 20, 21, 30, 31], 9)
