@@ -27,15 +27,10 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import sys
-import tempfile
 from pathlib import Path
-
-import yaml
 
 from . import gateways
 from .bench_overhead import burst_run, mocks, paced_run
-from .procs import free_port, process, wait_http
 
 FIGURES = {
     "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
@@ -87,24 +82,11 @@ def run(
     keys = [k for _, k, _ in FIGURES[mode]]
     results: dict[str, dict[str, list[float]]] = {s[0]: {k: [] for k in keys} for s in specs}
     interval_ms = 0 if mode == "burst" else 50
-    with (
-        mocks(interval_ms) as ports,
-        tempfile.TemporaryDirectory() as tmp,
-        contextlib.ExitStack() as stack,
-    ):
+    with mocks(interval_ms) as ports, contextlib.ExitStack() as stack:
         running: list[tuple[str, int, int]] = []
-        for i, (spec, tree, workers, continuation) in enumerate(specs):
-            port = free_port()
-            policy = gateways.tokenlane_policy(port, ports, workers)
-            policy["continuation"] = {"enabled": continuation}
-            path = Path(tmp) / f"policy-{i}.yaml"
-            path.write_text(yaml.safe_dump(policy))
-            argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
-            log = Path(tmp) / f"gateway-{i}.log"
-            # Stopped as a process group: a gateway with workers leaves none behind.
-            gw = stack.enter_context(process([*argv, "--log-level", "info"], log=log, cwd=tree))
-            wait_http(f"http://127.0.0.1:{port}/ready")
-            running.append((spec, port, gw.pid))
+        for spec, tree, workers, continuation in specs:
+            gw = stack.enter_context(gateways.tokenlane(ports, workers, continuation, cwd=tree))
+            running.append((spec, gw.port, gw.pid))
         for _, port, pid in running:  # warm-up: pools, caches, the first requests' imports
             asyncio.run(burst_run(port, 64, 1.0, pid) if mode == "burst" else _paced(port, pid))
             if mode == "burst":

@@ -46,7 +46,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -55,10 +54,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from . import gateways, peers
-from .procs import free_port, process, tree_cpu_seconds, wait_http, wait_port
+from .procs import free_port, process, tree_cpu_seconds, wait_port
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
@@ -269,57 +266,15 @@ def fleet(
     """Two fake upstreams and a gateway over them; yields upstream ports, gateway port, pid.
     ``tracing``: the gateway exports its spans to a receiver in this process. ``env``: more of
     the gateway's environment; ``cwd``: the source tree it runs from (ours when None)."""
-    ports = [free_port(), free_port()]
-    gw_port = free_port()
     with contextlib.ExitStack() as stack:
-        for p in ports:
-            stack.enter_context(
-                process(
-                    [
-                        sys.executable,
-                        "-m",
-                        "loadtest.fake_upstream",
-                        "--port",
-                        str(p),
-                        "--tokens",
-                        "64",
-                        "--interval-ms",
-                        str(interval_ms),
-                    ],
-                    stderr=None,
-                )
-            )
-            wait_port(p)
-        policy = gateways.tokenlane_policy(gw_port, ports, WORKERS)
-        policy["continuation"] = {"enabled": continuation}
-        if REDIS_URL:
-            policy["redis"] = {"url": REDIS_URL}
+        ports, _ = stack.enter_context(mock_processes(interval_ms))
         env = dict(env or {})
         if tracing:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = stack.enter_context(otlp_sink())
-        tmp = stack.enter_context(tempfile.TemporaryDirectory())
-        path = Path(tmp) / "policy.yaml"
-        path.write_text(yaml.safe_dump(policy))
         gw = stack.enter_context(
-            process(
-                [
-                    sys.executable,
-                    "-m",
-                    "proxy",
-                    "serve",
-                    "--config",
-                    str(path),
-                    # As `make run`: info, so the access log writes its line per request.
-                    "--log-level",
-                    "info",
-                ],
-                log=Path(tmp) / "gw.log",
-                env=env,
-                cwd=cwd,
-            )
+            gateways.tokenlane(ports, WORKERS, continuation, cwd=cwd, env=env, redis_url=REDIS_URL)
         )
-        wait_http(f"http://127.0.0.1:{gw_port}/ready")
-        yield ports, gw_port, gw.pid
+        yield ports, gw.port, gw.pid
 
 
 @contextlib.contextmanager

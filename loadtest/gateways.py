@@ -55,20 +55,30 @@ def tokenlane_policy(port: int, upstreams: list[int], workers: int) -> dict[str,
 
 @contextlib.contextmanager
 def tokenlane(
-    upstreams: list[int], workers: int = 1, continuation: bool = True
+    upstreams: list[int],
+    workers: int = 1,
+    continuation: bool = True,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    redis_url: str | None = None,
 ) -> Iterator[Running]:
-    """A Tokenlane gateway; ``continuation`` off relays every stream plain (ineligible)."""
+    """A Tokenlane gateway over ``upstreams``; ``continuation`` off relays every stream plain
+    (ineligible). ``cwd``: the source tree it runs from (a git worktree; ours when None);
+    ``env``: more of its environment; ``redis_url``: the shared state it uses."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "policy.yaml"
         policy = tokenlane_policy(port, upstreams, workers)
-        if not continuation:
-            policy["continuation"] = {"enabled": False}
+        policy["continuation"] = {"enabled": continuation}
+        if redis_url:
+            policy["redis"] = {"url": redis_url}
         path.write_text(yaml.safe_dump(policy))
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
         # As `make run`: info, so the access log writes its line per request.
         argv += ["--log-level", "info"]
-        with process(argv, log=Path(tmp) / "gw.log") as proc:
+        # Stopped as a process group: a gateway with workers leaves none behind.
+        with process(argv, log=Path(tmp) / "gw.log", env=env, cwd=cwd) as proc:
             wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=60)
             name = "tokenlane" if workers == 1 else f"tokenlane x{workers}"
             name += "" if continuation else " (plain)"

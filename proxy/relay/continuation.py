@@ -468,14 +468,13 @@ class Splice:
             return None
         opens = t + len(tail)
         raw = chunk[opens:-6]
-        # One id (``plain_ids``'s rule for one, spelled out: the common case), or several;
-        # anything else, such as the rest of a second event in the read, is parsed.
-        if raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1):
+        if raw:
+            # One id (``plain_ids``'s rule for one, spelled out: the common case), or several;
+            # anything else, such as the rest of a second event in the read, is parsed.
+            one = raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1)
+            if not one and not plain_ids(raw):
+                return None
             self.lists.append(raw)
-        elif raw and plain_ids(raw):
-            self.lists.append(raw)
-        elif raw:
-            return None
         text = t > h
         if text:
             self.reasoning_open = False

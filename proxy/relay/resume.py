@@ -129,7 +129,7 @@ class Resumer:
         flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
         try:
             async for chunk in flow.handed_back(response):
-                attempt.last_progress = time.monotonic()
+                attempt.last_progress = now()
                 # An ordinary token chunk is relayed without parsing it: a read that is one
                 # (vLLM sends one event per token) skips the event split too. With a direct
                 # writer the handler tried that already, and this read is what it declined.
@@ -451,7 +451,7 @@ class Resumer:
             chunks = raw_chunks(resp)
             out: list[bytes] = []
             async for chunk in chunks:
-                attempt.last_progress = time.monotonic()
+                attempt.last_progress = now()
                 for ev in events.feed(chunk):
                     data, trig, done, content, words = sp.take(ev)
                     if trig is not None:
@@ -484,7 +484,7 @@ class Resumer:
                     return None
                 # What the first read held past the first content, then further reads.
                 async for chunk in events.reads(chunks):
-                    attempt.last_progress = time.monotonic()
+                    attempt.last_progress = now()
                     out: list[bytes] = []
                     for ev in events.feed(chunk):
                         data, trig, done, content, words = sp.take(ev)
