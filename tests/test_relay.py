@@ -7,7 +7,9 @@ import asyncio
 import gc
 import json
 import socket
+import sys
 import time
+from types import AsyncGeneratorType
 from pathlib import Path
 
 import httpx
@@ -50,6 +52,46 @@ async def test_first_content_reaches_the_client_before_upstream_sends_its_last()
     # first token while most of the stream is still to come (counted in bytes, not in time,
     # which a paused machine stretches).
     assert written_at_first < written / 2, (written_at_first, written)
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.002], ids=["burst", "paced"])
+@pytest.mark.parametrize("continuation", [False, True], ids=["plain", "eligible"])
+async def test_a_relayed_stream_leaves_no_async_generator_to_the_loop(
+    interval_s: float, continuation: bool
+) -> None:
+    """A relay that stops reading early (at its first content, at ``[DONE]``) leaves no
+    suspended async generator of the gateway behind: the loop would close each in a task of
+    its own, woken through its self-pipe, after every request."""
+    finalized: list[str] = []
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    assert finalizer is not None
+
+    def noted(agen: AsyncGeneratorType[object, object]) -> None:
+        code = agen.ag_code
+        if "/proxy/" in code.co_filename:
+            finalized.append(code.co_qualname)
+        finalizer(agen)
+
+    sys.set_asyncgen_hooks(firstiter, noted)
+    try:
+        async with running(tokens=8, interval_s=interval_s) as up:
+            policy = policy_for({"p": [up.url]}, continuation={"enabled": continuation})
+            async with running_gateway(policy) as (url, app):
+                (replica,) = app.gateway.fleet.replicas()
+                async with httpx.AsyncClient(timeout=10) as client:
+                    for _ in range(3):
+                        resp = await client.post(
+                            url + "/v1/chat/completions", json={**CHAT, "stream": True}
+                        )
+                        assert resp.text.endswith("data: [DONE]\n\n")
+                        # Its relay returned: what it held is gone.
+                        await wait_until(lambda: replica.in_flight == 0, what="the slot freed")
+                gc.collect()
+        asked = [b.get("return_token_ids") for b, _ in chat_requests(up)]
+        assert asked == [True if continuation else None] * 3  # the path meant was taken
+    finally:
+        sys.set_asyncgen_hooks(firstiter, finalizer)
+    assert finalized == []
 
 
 async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:

@@ -341,14 +341,34 @@ class StreamFlow:
         inter-token times go into the histogram."""
         self.itl.flush(now())
 
-    async def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
         """The rest of ``response``'s body pumped through this handler: the chunks it hands
         back, in order; a full client socket is drained here."""
-        while (back := await pump(response, self)) is not None:
+        return _HandedBack(self, response)
+
+
+class _HandedBack:
+    """``StreamFlow.handed_back``; a class, not an async generator, so that a relay leaving
+    at ``[DONE]`` leaves nothing for the event loop to close (``proxy/relay/upstream.py``'s
+    ``_Reads``)."""
+
+    __slots__ = ("_flow", "_response")
+
+    def __init__(self, flow: StreamFlow, response: httpx.Response) -> None:
+        self._flow = flow
+        self._response = response
+
+    def __aiter__(self) -> _HandedBack:
+        return self
+
+    async def __anext__(self) -> bytes:
+        flow = self._flow
+        while (back := await pump(self._response, flow)) is not None:
             if back:
-                yield back
-            elif self.writer is not None:
-                await self.writer.drain()
+                return back
+            if flow.writer is not None:
+                await flow.writer.drain()
+        raise StopAsyncIteration
 
 
 class _Relayed(StreamFlow):

@@ -67,16 +67,11 @@ class EventBuffer:
             self._start = end + 2
             yield data[start:end]
 
-    async def reads(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    def reads(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         """``chunks``, and an empty read before the next whenever complete events are left
         pending (a reader that stopped early, at its first content): those are taken before
         more is read."""
-        while self.ready:
-            yield b""
-        async for chunk in chunks:
-            yield chunk
-            while self.ready:
-                yield b""
+        return _Reads(self, chunks.__aiter__())
 
     def pending(self) -> tuple[bytes, int]:
         """The buffered bytes and where what was not yet taken starts in them."""
@@ -85,6 +80,25 @@ class EventBuffer:
     def advance(self, to: int) -> None:
         """Mark what is before ``to`` (an event's end, in ``pending``'s bytes) as taken."""
         self._start = to
+
+
+class _Reads:
+    """``EventBuffer.reads``; a class, not an async generator, so that a reader leaving early
+    leaves nothing for the event loop to close (``proxy/relay/upstream.py``'s ``_Reads``)."""
+
+    __slots__ = ("_buffer", "_chunks")
+
+    def __init__(self, buffer: EventBuffer, chunks: AsyncIterator[bytes]) -> None:
+        self._buffer = buffer
+        self._chunks = chunks
+
+    def __aiter__(self) -> _Reads:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._buffer.ready:
+            return b""
+        return await self._chunks.__anext__()
 
 
 def decode_json(data: bytes) -> Any:

@@ -142,10 +142,8 @@ class RawResponseStream(httpx.AsyncByteStream):
         self._conn = conn
         self._released = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        while chunk := await conn.next_chunk():
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Reads(self._conn)
 
     async def pump(self, handler: Handler) -> bytes | None:
         """``H1Connection.pump``: None at the body's end, else what the handler returned."""
@@ -160,6 +158,26 @@ class RawResponseStream(httpx.AsyncByteStream):
         if not self._released:
             self._released = True
             self._pool.release(self._origin, self._conn)
+
+
+class _Reads:
+    """``RawResponseStream``'s reads, each what arrived since the last; a class, not an async
+    generator: a reader that stops early (at its first content, or at ``[DONE]``) leaves no
+    suspended generator for the event loop to close in a task of its own after the request
+    (``tests/test_relay.py::test_a_relayed_stream_leaves_no_async_generator_to_the_loop``)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: H1Connection) -> None:
+        self._conn = conn
+
+    def __aiter__(self) -> _Reads:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if chunk := await self._conn.next_chunk():
+            return chunk
+        raise StopAsyncIteration
 
 
 class RelayTransport(AiohttpTransport):
