@@ -9,8 +9,8 @@ import json
 import socket
 import sys
 import time
-from types import AsyncGeneratorType
 from pathlib import Path
+from types import AsyncGeneratorType
 
 import httpx
 import pytest
