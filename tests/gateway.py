@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from types import AsyncGeneratorType
 from typing import Any
 
 import httpx
 import yaml
 
+import proxy
 from proxy.config import Policy
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import GatewayApp
@@ -128,6 +131,30 @@ async def gateway_process(
             await asyncio.to_thread(proc.wait, 30)
             assert proc.stderr is not None
             stderr.append(proc.stderr.read().decode(errors="replace"))
+
+
+@contextlib.contextmanager
+def generators_left_to_the_loop() -> Iterator[list[str]]:
+    """The gateway's async generators (of the ``proxy`` package) that reach the running
+    loop's finalizer while this is entered: each one left suspended, which the loop closes in
+    a task of its own, woken through its self-pipe. Yields their qualified names as they come.
+    Enter it inside the running loop, before the requests it watches."""
+    left: list[str] = []
+    package = os.path.dirname(proxy.__file__) + os.sep
+    firstiter, finalizer = sys.get_asyncgen_hooks()
+    assert finalizer is not None, "enter it inside a running event loop"
+
+    def noted(agen: AsyncGeneratorType[object, object]) -> None:
+        code = agen.ag_code
+        if code.co_filename.startswith(package):
+            left.append(code.co_qualname)
+        finalizer(agen)
+
+    sys.set_asyncgen_hooks(firstiter, noted)
+    try:
+        yield left
+    finally:
+        sys.set_asyncgen_hooks(firstiter, finalizer)
 
 
 def rss_bytes(pid: int) -> int:

@@ -4,6 +4,7 @@ by a simulator replica and continued on another, over real sockets."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 from typing import Any
@@ -35,7 +36,7 @@ from proxy.relay.continuation import (
 )
 from proxy.relay.reprefill import Reprefills, has_room
 
-from .gateway import data_events, policy_for, running_gateway
+from .gateway import data_events, generators_left_to_the_loop, policy_for, running_gateway
 from .waiting import wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
@@ -293,6 +294,26 @@ async def test_a_cut_stream_is_continued_token_exact(fleet, fault, trigger, acce
     assert seam["trigger"] == trigger and seam["to"] == continued["replica"]
     assert seam["from"] == plain["replica"] != seam["to"]
     assert 0 < seam["at_token"] <= fault["after_tokens"]
+
+
+async def test_a_continued_stream_leaves_no_async_generator_to_the_loop(
+    fleet, access_lines
+) -> None:
+    """The relay's readers of both upstreams (the cut one and the continuation) leave nothing
+    suspended for the loop to close after the request (``test_relay.py``'s plain case)."""
+    a, _b, url, app, client = fleet
+    with generators_left_to_the_loop() as left:
+        await a.set_fault({"fault": "cut_close", "after_tokens": 10})
+        try:
+            got = await _chat(client, url, {"max_tokens": 30, "temperature": 0})
+        finally:
+            await a.set_fault(None)
+        await wait_until(lambda: access_lines, what="the request's access line")  # it returned
+        gc.collect()
+    assert got[-1] == "[DONE]"
+    labels = {"lane": "all", "trigger": "eof", "outcome": "ok"}
+    assert _count(app, "tokenlane_continuations_total", **labels) == 1  # continued, indeed
+    assert left == []
 
 
 async def test_ineligible_stream_ends_with_the_error_event(fleet) -> None:

@@ -7,18 +7,25 @@ import asyncio
 import gc
 import json
 import socket
-import sys
 import time
 from pathlib import Path
-from types import AsyncGeneratorType
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
+from proxy.relay import respond
 from proxy.relay.relay import query_text
 
-from .gateway import content_of, gateway_process, policy_for, rss_bytes, running_gateway
+from .gateway import (
+    content_of,
+    gateway_process,
+    generators_left_to_the_loop,
+    policy_for,
+    rss_bytes,
+    running_gateway,
+)
 from .servers import free_port
 from .waiting import wait_until
 
@@ -62,23 +69,12 @@ async def test_a_relayed_stream_leaves_no_async_generator_to_the_loop(
     """A relay that stops reading early (at its first content, at ``[DONE]``) leaves no
     suspended async generator of the gateway behind: the loop would close each in a task of
     its own, woken through its self-pipe, after every request."""
-    finalized: list[str] = []
-    firstiter, finalizer = sys.get_asyncgen_hooks()
-    assert finalizer is not None
-
-    def noted(agen: AsyncGeneratorType[object, object]) -> None:
-        code = agen.ag_code
-        if "/proxy/" in code.co_filename:
-            finalized.append(code.co_qualname)
-        finalizer(agen)
-
-    sys.set_asyncgen_hooks(firstiter, noted)
-    try:
-        async with running(tokens=8, interval_s=interval_s) as up:
-            policy = policy_for({"p": [up.url]}, continuation={"enabled": continuation})
-            async with running_gateway(policy) as (url, app):
-                (replica,) = app.gateway.fleet.replicas()
-                async with httpx.AsyncClient(timeout=10) as client:
+    async with running(tokens=8, interval_s=interval_s) as up:
+        policy = policy_for({"p": [up.url]}, continuation={"enabled": continuation})
+        async with running_gateway(policy) as (url, app):
+            (replica,) = app.gateway.fleet.replicas()
+            async with httpx.AsyncClient(timeout=10) as client:
+                with generators_left_to_the_loop() as left:
                     for _ in range(3):
                         resp = await client.post(
                             url + "/v1/chat/completions", json={**CHAT, "stream": True}
@@ -86,12 +82,39 @@ async def test_a_relayed_stream_leaves_no_async_generator_to_the_loop(
                         assert resp.text.endswith("data: [DONE]\n\n")
                         # Its relay returned: what it held is gone.
                         await wait_until(lambda: replica.in_flight == 0, what="the slot freed")
-                gc.collect()
-        asked = [b.get("return_token_ids") for b, _ in chat_requests(up)]
-        assert asked == [True if continuation else None] * 3  # the path meant was taken
-    finally:
-        sys.set_asyncgen_hooks(firstiter, finalizer)
-    assert finalized == []
+                    gc.collect()
+    asked = [b.get("return_token_ids") for b, _ in chat_requests(up)]
+    assert asked == [True if continuation else None] * 3  # the path meant was taken
+    assert left == []
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ended", "raised"])
+async def test_chunks_handed_back_are_over_once_ended_or_raised(
+    fail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``StreamFlow.handed_back`` ends for good when its pump ends or raises, as a generator
+    does: it never pumps again (the response's connection may serve another request by then)."""
+    pumped: list[int] = []
+
+    async def pump(_response: object, _flow: object) -> bytes | None:
+        pumped.append(1)
+        if len(pumped) == 1:
+            return b"declined"
+        if len(pumped) == 2:
+            if fail:
+                raise ConnectionResetError
+            return None  # the body's end
+        return b"late"
+
+    monkeypatch.setattr(respond, "pump", pump)
+    flow = SimpleNamespace(writer=None)
+    chunks = respond.StreamFlow.handed_back(flow, httpx.Response(200))  # type: ignore[arg-type]
+    assert await chunks.__anext__() == b"declined"
+    with pytest.raises(ConnectionResetError if fail else StopAsyncIteration):
+        await chunks.__anext__()
+    with pytest.raises(StopAsyncIteration):
+        await chunks.__anext__()
+    assert len(pumped) == 2
 
 
 async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:

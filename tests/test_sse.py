@@ -426,3 +426,37 @@ async def test_reads_give_a_reader_that_stopped_early_the_rest_before_the_next_r
         (b"", [b"data: 2", b"data: 3"]),  # "data: 4" is not ended yet: no more empty reads
         (b"\n\n", [b"data: 4"]),
     ]
+
+
+async def test_reads_ended_or_raised_are_over() -> None:
+    """``EventBuffer.reads`` ends for good when its reads end or raise, as a generator does:
+    it never asks them again (reads from a connection that went on to serve another request
+    would hand over that request's bytes)."""
+
+    class Reads:
+        """One read, then the end or an error, then whatever is asked again: a late read."""
+
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+            self.asked = 0
+
+        def __aiter__(self) -> Reads:
+            return self
+
+        async def __anext__(self) -> bytes:
+            self.asked += 1
+            if self.asked == 1:
+                return b"data: 1\n\n"
+            if self.asked == 2:
+                raise ConnectionResetError if self.fail else StopAsyncIteration
+            return b"data: late\n\n"
+
+    for fail in (False, True):
+        inner = Reads(fail)
+        it = sse.EventBuffer().reads(inner)
+        assert await it.__anext__() == b"data: 1\n\n"
+        with pytest.raises(ConnectionResetError if fail else StopAsyncIteration):
+            await it.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await it.__anext__()
+        assert inner.asked == 2

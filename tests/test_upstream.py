@@ -357,3 +357,51 @@ async def test_a_streamed_body_is_not_sent_again() -> None:
 )
 def test_stale_resend_allowed(from_pool: bool, resends: int, streamed: bool, want: bool) -> None:
     assert upstream.stale_resend_allowed(from_pool, resends, streamed=streamed) is want
+
+
+# -- a body's reader, over for good ----------------------------------------------------------
+
+
+async def test_a_bodys_reader_ended_never_reads_the_next_request_on_its_connection() -> None:
+    """A reader read to its end stays ended, as a generator does, even once its pooled
+    connection serves another request: it never hands over that request's body."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for answer in (b"one", b"two"):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)  # the b"{}" body
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n" + answer)
+                await writer.drain()
+        writer.close()
+
+    c, _ = counting_client()
+    try:
+        async with listening(serve) as url:
+            first = await send(c, url)
+            reads = upstream.raw_chunks(first)
+            assert [chunk async for chunk in reads] == [b"one"]
+            await first.aclose()  # its connection back to the pool
+            second = await send(c, url)  # on that connection
+            with pytest.raises(StopAsyncIteration):
+                await reads.__anext__()
+            assert await read_body(second) == b"two"
+            await second.aclose()
+    finally:
+        await c.aclose()
+
+
+async def test_a_bodys_reader_that_raised_is_over(client: UpstreamClient) -> None:
+    async def cut(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + b"5\r\nhello\r\n")
+        await writer.drain()
+
+    async with raw_server(cut) as (url, _):
+        response = await send(client, url)
+        reads = upstream.raw_chunks(response)
+        assert await reads.__anext__() == b"hello"
+        with pytest.raises(UpstreamClosed):
+            await reads.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await reads.__anext__()
+        await response.aclose()

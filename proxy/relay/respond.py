@@ -356,18 +356,28 @@ class _HandedBack:
 
     def __init__(self, flow: StreamFlow, response: httpx.Response) -> None:
         self._flow = flow
-        self._response = response
+        self._response: httpx.Response | None = response
 
     def __aiter__(self) -> _HandedBack:
         return self
 
     async def __anext__(self) -> bytes:
+        # Over for good once it ended or raised, as a generator is: the response's connection
+        # may serve another request by then.
+        response = self._response
+        if response is None:
+            raise StopAsyncIteration
         flow = self._flow
-        while (back := await pump(self._response, flow)) is not None:
-            if back:
-                return back
-            if flow.writer is not None:
-                await flow.writer.drain()
+        try:
+            while (back := await pump(response, flow)) is not None:
+                if back:
+                    return back
+                if flow.writer is not None:
+                    await flow.writer.drain()
+        except BaseException:
+            self._response = None
+            raise
+        self._response = None
         raise StopAsyncIteration
 
 

@@ -90,15 +90,22 @@ class _Reads:
 
     def __init__(self, buffer: EventBuffer, chunks: AsyncIterator[bytes]) -> None:
         self._buffer = buffer
-        self._chunks = chunks
+        self._chunks: AsyncIterator[bytes] | None = chunks
 
     def __aiter__(self) -> _Reads:
         return self
 
     async def __anext__(self) -> bytes:
+        chunks = self._chunks
+        if chunks is None:
+            raise StopAsyncIteration  # over for good once it ended or raised, as a generator
         if self._buffer.ready:
             return b""
-        return await self._chunks.__anext__()
+        try:
+            return await chunks.__anext__()
+        except BaseException:
+            self._chunks = None
+            raise
 
 
 def decode_json(data: bytes) -> Any:

@@ -169,14 +169,25 @@ class _Reads:
     __slots__ = ("_conn",)
 
     def __init__(self, conn: H1Connection) -> None:
-        self._conn = conn
+        self._conn: H1Connection | None = conn
 
     def __aiter__(self) -> _Reads:
         return self
 
     async def __anext__(self) -> bytes:
-        if chunk := await self._conn.next_chunk():
+        # Over for good once it ended or raised, as a generator is: the connection may serve
+        # another request by then.
+        conn = self._conn
+        if conn is None:
+            raise StopAsyncIteration
+        try:
+            chunk = await conn.next_chunk()
+        except BaseException:
+            self._conn = None
+            raise
+        if chunk:
             return chunk
+        self._conn = None
         raise StopAsyncIteration
 
 
