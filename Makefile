@@ -8,9 +8,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 POLICY ?=
 
-.PHONY: run test bench bench-clients fuzz soak lint venv clean
+.PHONY: run test bench bench-clients fuzz soak lint venv compiled clean
 
 venv: $(STAMP)
+
+# The request path compiled with mypyc (proxy/compiled.py): built when missing or stale, in
+# about two minutes; nothing to do when current. Without a C compiler the gateway runs
+# interpreted. TOKENLANE_INTERPRETED=1 runs it interpreted whatever is built.
+compiled: venv
+	$(PY) scripts/compile.py
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,18 +25,18 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-run: venv
+run: compiled
 ifeq ($(POLICY),)
 	$(PY) -m proxy demo --policy config/policy.demo.yaml
 else
 	$(PY) -m proxy serve --config $(POLICY)
 endif
 
-test: venv
+test: compiled
 	@scripts/system-deps.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: venv
+bench: compiled
 	$(PY) -m loadtest.bench_overhead
 	$(PY) -m loadtest.bench_overhead --peer --workers 2
 	$(PY) -m loadtest.bench_floor
@@ -40,17 +46,17 @@ bench: venv
 
 # inference-perf (installed on first use into its own virtualenv, Python >= 3.12) through the
 # demo in its chat, completion and Anthropic Messages modes; its TTFT against the access log's.
-bench-clients: venv
+bench-clients: compiled
 	$(PY) -m loadtest.bench_clients
 
 # 10,000 generated bodies through a gateway and two simulators (`make test` sends 500);
 # TOKENLANE_FUZZ_SEED=N for other bodies.
-fuzz: venv
+fuzz: compiled
 	TOKENLANE_FUZZ_BODIES=$${TOKENLANE_FUZZ_BODIES:-10000} $(PY) -m pytest tests/test_fuzz.py --reruns 0 -s -q
 
 # Streaming load through the demo fleet with a rotating fault every minute, 30 minutes
 # (MINUTES=N for a shorter run).
-soak: venv
+soak: compiled
 	$(PY) -m loadtest.bench_soak --minutes $${MINUTES:-30}
 
 lint: venv

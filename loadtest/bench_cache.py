@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
@@ -59,6 +59,9 @@ import yaml
 from loadtest import peers
 from loadtest.procs import free_port, process, wait_http, wait_port
 from loadtest.prompts import words
+
+if TYPE_CHECKING:
+    from proxy.routing.profile import Profile
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 REPLICAS = 4
@@ -527,19 +530,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
 VIRTUAL_BALANCES = ("round_robin", "least_loaded", "prefix_affinity", "cache_aware")
 
 
-@dataclass
-class _VProfile:
-    """The part of ``classify.Profile`` the balances read."""
-
-    prompt_head: str
-    prompt_chars: int
-    prompt_tokens_est: int
-
-
 @dataclass(eq=False)
 class _VCall:
     request_id: str
-    profile: _VProfile
+    profile: Profile
     ttft_s: float | None = None
     finished: bool = False
     prefix_match_tokens: int | None = None
@@ -562,7 +556,7 @@ def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:
     from proxy.fleet.vllm import EngineSample
     from proxy.routing import balance as bal
     from proxy.routing.cache_aware import CacheAwareRouter
-    from proxy.routing.profile import affinity_key
+    from proxy.routing.profile import Profile, affinity_key
 
     settings = SimSettings(num_gpu_blocks=2200, prefill_per_token_s=0.0002)
     scheds = [Scheduler(settings) for _ in range(REPLICAS)]
@@ -630,12 +624,14 @@ def run_virtual(balance: str, w: Workload, seed: int) -> dict[str, Any]:
         messages = arrivals[ai][1]
         ai += 1
         text, _ = render_chat(messages)
-        call = _VCall(f"v{ai}", _VProfile(text, len(text), len(text) // 4))
+        # A real Profile: the routing code may be compiled (``proxy/compiled.py``).
+        profile = Profile("chat", None, True, len(text), len(text) // 4, None, 1, 0, text)
+        call = _VCall(f"v{ai}", profile)
         if balance == "cache_aware":
             picked = router.pick(reps, call, cfg, 4.0, rng)  # type: ignore[arg-type]
             chosen = picked[0] if picked is not None else None
         else:
-            key = affinity_key(call.profile, 1024)  # type: ignore[arg-type]
+            key = affinity_key(call.profile, 1024)
             chosen = bal.pick(balance, reps, key=key, rng=rng, rr_index=rr, bounded_load=1.25)
             rr += 1
         assert chosen is not None  # reps is never empty

@@ -8,7 +8,8 @@ overhead benchmark's fleet (two paced mocks, one gateway) with ``loadtest/inplac
 gateway's PYTHONPATH, which wraps each named function with two clock readings
 (``loadtest/inplace/sitecustomize.py``), runs paced streams through it and prints each
 function's calls and per-call percentiles, beside the run's CPU per relayed chunk. The
-wrapper's own cost, hot, is printed too; the percentiles include it.
+wrapper's own cost, hot, is printed too; the percentiles include it. The gateway runs
+interpreted (``TOKENLANE_INTERPRETED=1``): compiled functions cannot be wrapped.
 
     python -m loadtest.bench_inplace [--function module:Qualified.name ...]
         [--continuation on|off] [--streams 256] [--runs 2] [--tree PATH]
@@ -48,6 +49,9 @@ def measure(
             "PYTHONPATH": str(SITE),
             "TOKENLANE_INPLACE": json.dumps(functions),
             "TOKENLANE_INPLACE_OUT": str(out),
+            # A compiled function (``proxy/compiled.py``) cannot be wrapped: the gateway runs
+            # interpreted here, and its CPU per chunk is the interpreted build's.
+            "TOKENLANE_INTERPRETED": "1",
         }
         cpu: list[float] = []
         with fleet(50, continuation, env=env, cwd=tree) as (_, gw_port, pid):

@@ -16,11 +16,12 @@ import httpx
 import yaml
 
 import proxy
-from proxy.config import Policy
+from proxy.config import LaneConfig, Policy
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import GatewayApp
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
+from proxy.relay.call import Call
 
 from .servers import free_port, run_process, serve_app
 from .waiting import TIMEOUT_S, WaitTimeout, wait_until
@@ -179,3 +180,9 @@ def content_of(event: bytes | str) -> str:
     raw = event.encode() if isinstance(event, str) else event
     obj = json.loads(raw[len(b"data: ") :])
     return "".join(c["delta"].get("content") or "" for c in obj["choices"])
+
+
+def a_call(lane: LaneConfig, model: str = "m") -> Call:
+    """A streamed chat request's record on ``lane``, for tests of the parts that read one (the
+    request path may be compiled, ``proxy/compiled.py``: it takes its own types only)."""
+    return Call("r", "chat", "/v1/chat/completions", b"{}", [], True, model, lane, None, False, 0.0)

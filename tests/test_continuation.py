@@ -36,7 +36,13 @@ from proxy.relay.continuation import (
 )
 from proxy.relay.reprefill import Reprefills, has_room
 
-from .gateway import data_events, generators_left_to_the_loop, policy_for, running_gateway
+from .gateway import (
+    a_call,
+    data_events,
+    generators_left_to_the_loop,
+    policy_for,
+    running_gateway,
+)
 from .waiting import wait_until
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
@@ -592,36 +598,40 @@ async def test_a_continuation_with_no_target_probes_an_ejected_replica_back_at_o
 
 
 def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None:
-    from types import SimpleNamespace
-
-    from proxy.fleet.fleet import ReplicaState
+    from proxy.fleet.fleet import Fleet, ReplicaState
+    from proxy.observe.metrics import Metrics
+    from proxy.policyfile import build_policy
+    from proxy.routing.admission import Admission
     from proxy.routing.pick import Picker
 
-    class Rep:  # hashable by identity, as the fleet's replicas are
-        def __init__(self, url: str, state: ReplicaState, health_ok: bool) -> None:
-            self.url, self.state, self.health_ok = url, state, health_ok
-
-        def serves(self, model: str | None) -> bool:
-            return True
-
-    def replica(url: str, state: ReplicaState, health_ok: bool = True) -> Any:
-        return Rep(url, state, health_ok)
-
-    a, b = replica("a", ReplicaState.PROBING), replica("b", ReplicaState.HEALTHY)
-    dead = replica("d", ReplicaState.PROBING, health_ok=False)
-    pools = {"p": SimpleNamespace(replicas=[a, b, dead])}
-    lane = SimpleNamespace(pool="p", spill_to=None)
+    urls = ["http://a:1", "http://b:1", "http://d:1"]
+    policy = build_policy(
+        {
+            "pools": {"p": {"replicas": [{"url": u} for u in urls]}},
+            "lanes": [{"name": "all", "pool": "p"}],
+        }
+    )
+    metrics = Metrics()
+    fleet = Fleet(policy, {}, metrics=metrics)
+    a, b, dead = fleet.replicas()
+    for r, state, health_ok in (
+        (a, ReplicaState.PROBING, True),  # on its canary
+        (b, ReplicaState.HEALTHY, True),
+        (dead, ReplicaState.PROBING, False),  # probing, /health failing: for ever
+    ):
+        r.models = {"m": {"id": "m"}}
+        r.state, r.health_ok = state, health_ok
+    picker = Picker(fleet, Admission(fleet, metrics), metrics, lambda: policy, random.Random())
 
     def probing(tried: set[Any], pinned: str | None = None) -> bool:
-        call = SimpleNamespace(lane=lane, model="m", tried=tried, pinned=pinned)
-        fleet: Any = SimpleNamespace(pools=pools)
-        picker = Picker(fleet, None, None, lambda: None, random.Random())  # type: ignore[arg-type]
-        return picker.probing(call)  # type: ignore[arg-type]
+        call = a_call(policy.lanes[0])
+        call.tried, call.pinned = tried, pinned
+        return picker.probing(call)
 
     assert probing(set())  # a is on its canary
     assert not probing({a})  # but the stream already failed there: the pick never takes it
-    assert not probing(set(), pinned="b")  # pinned elsewhere
-    pools["p"].replicas = [dead]
+    assert not probing(set(), pinned=b.url)  # pinned elsewhere
+    a.state = ReplicaState.HEALTHY
     assert not probing(set())  # a dead replica probes for ever: not worth the wait
 
 

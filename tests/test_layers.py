@@ -9,7 +9,7 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   edge         the rest of proxy.edge (endpoint, routes, auth, admin)
   core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe, proxy.workers
   base         proxy.config, proxy.policyfile, proxy.schema, proxy.errors, proxy.routing.tokens,
-               proxy.edge.asgi_ext
+               proxy.edge.asgi_ext, proxy.compiled (which build of the modules runs)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "proxy.errors",
             "proxy.routing.tokens",
             "proxy.edge.asgi_ext",
+            "proxy.compiled",
         ),
     ),
     (

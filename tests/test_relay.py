@@ -9,16 +9,20 @@ import json
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
+from proxy.fleet.fleet import Fleet
+from proxy.observe.metrics import Metrics
+from proxy.policyfile import build_policy
 from proxy.relay import respond
+from proxy.relay.call import Attempt
 from proxy.relay.relay import query_text
 
 from .gateway import (
+    a_call,
     content_of,
     gateway_process,
     generators_left_to_the_loop,
@@ -107,8 +111,11 @@ async def test_chunks_handed_back_are_over_once_ended_or_raised(
         return b"late"
 
     monkeypatch.setattr(respond, "pump", pump)
-    flow = SimpleNamespace(writer=None)
-    chunks = respond.StreamFlow.handed_back(flow, httpx.Response(200))  # type: ignore[arg-type]
+    policy = build_policy(policy_for({"p": ["http://a:1"]}))
+    metrics = Metrics()
+    (replica,) = Fleet(policy, {}, metrics=metrics).replicas()
+    flow = respond.StreamFlow(a_call(policy.lanes[0]), Attempt(replica, None), metrics, False)
+    chunks = flow.handed_back(httpx.Response(200))
     assert await chunks.__anext__() == b"declined"
     with pytest.raises(ConnectionResetError if fail else StopAsyncIteration):
         await chunks.__anext__()

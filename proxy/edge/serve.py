@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import uvicorn
 
+from proxy import compiled
 from proxy.config import Policy
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.routes import configure_logging
@@ -154,11 +155,12 @@ def serve(
     server = GatewayServer(config, cast(Gateway, app.gateway))  # create_app built a Gateway
     _check_fd_limit(policy.server.max_connections)
     log.info(
-        "tokenlane listening on http://%s:%d (%d pools, %d lanes)",
+        "tokenlane listening on http://%s:%d (%d pools, %d lanes; request path %s)",
         policy.server.host,
         policy.server.port,
         len(policy.pools),
         len(policy.lanes),
+        compiled.status,
     )
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

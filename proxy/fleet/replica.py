@@ -123,9 +123,9 @@ class Replica:
         # siblings, so the two are not added.
         others = max(self.remote_in_flight, self.sibling_in_flight)
         if self.stats.stale and self.stats.at is not None:
-            raw: float = self.in_flight + others + self.config.max_in_flight
+            raw: float = float(self.in_flight + others + self.config.max_in_flight)
         else:
-            raw = self.in_flight + others + self.stats.waiting
+            raw = float(self.in_flight + others + self.stats.waiting)
         if self.weight < 1.0:
             return (raw + 1.0) / self.weight - 1.0
         return raw

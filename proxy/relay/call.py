@@ -1,23 +1,22 @@
 """The record of one client request on its way through the gateway (``Call``) and of each
 upstream attempt made for it (``Attempt``). Everything that observes a request (outcomes, the
-access log, auth's token charge) reads this record, so it depends on nothing but config and
-the fleet's ``Replica``."""
+access log, auth's token charge) reads this record, so it depends on nothing but config, the
+fleet's ``Replica`` and the request's ``Profile`` (imported, not only named for the type
+checker: compiled, a dataclass reads its field types at run time, ``proxy/compiled.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from proxy.config import LaneConfig
 from proxy.edge.asgi_ext import BodyWriter
 from proxy.errors import Dialect
 from proxy.fleet.fleet import Replica
 from proxy.relay.retry import Phase
-
-if TYPE_CHECKING:
-    from proxy.config import LaneConfig
-    from proxy.routing.profile import Profile
+from proxy.routing.profile import Profile
 
 
 @dataclass(eq=False, slots=True)

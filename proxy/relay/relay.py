@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -371,6 +370,7 @@ class Relay:
         response: httpx.Response | None = None
         tracer = self.tracer
         span = None
+        raised: BaseException | None = None
         try:
             try:
                 request = self._request(call, replica)
@@ -430,9 +430,15 @@ class Relay:
                 counted = False  # judged once the replay's answer is in
                 self._deferred_5xx[call] = replica
             await self._settle(call, attempt, send, verdict, _detail(fault, attempt, call, why))
+        except BaseException as exc:
+            # Held for the span: in compiled code (``proxy/compiled.py``) ``sys.exc_info()``
+            # in ``finally`` may still name an exception handled earlier in the coroutine.
+            raised = exc
+            raise
         finally:
             if span is not None and tracer is not None:
-                tracer.attempt_finished(span, call, attempt, sys.exc_info()[1])
+                tracer.attempt_finished(span, call, attempt, raised)
+            raised = None  # no cycle through the frame
             replica.streams.discard(attempt)
             status = response.status_code if response is not None else 0
             poison = detect.poisoned(replayed_5xx_of is not None, status)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -463,6 +462,7 @@ class Resumer:
 
         opener = asyncio.ensure_future(first())
         result: tuple[cont.Trigger, str, float] | None = None
+        raised: BaseException | None = None
         try:
             try:
                 while True:
@@ -522,10 +522,14 @@ class Resumer:
                 trig = cont.Trigger.STALL if stall else cont.Trigger.RESET
                 result = (trig, f"replica {name}: {exc.why}", last_sent)
             return result
+        except BaseException as exc:
+            raised = exc  # for the span, as ``Relay._attempt`` holds it
+            raise
         finally:
             if spans and self.tracer is not None:
                 failed = f"continuation_{result[0].value}" if result is not None else None
-                self.tracer.attempt_finished(spans[0], call, attempt, sys.exc_info()[1], failed)
+                self.tracer.attempt_finished(spans[0], call, attempt, raised, failed)
+            raised = None
             slot.release()
             if not opener.done():
                 opener.cancel()

@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from proxy import compiled
 from proxy.config import Policy
 from proxy.workers.board import Board
 
@@ -301,12 +302,13 @@ def supervise(policy: Policy, count: int, worker_args: Sequence[str]) -> int:
     sock = bind(policy.server.host, policy.server.port)
     supervisor = Supervisor(count, worker_args, sock, run_dir())
     log.info(
-        "tokenlane listening on http://%s:%d with %d workers (%d pools, %d lanes)",
+        "tokenlane listening on http://%s:%d with %d workers (%d pools, %d lanes; request path %s)",
         policy.server.host,
         sock.getsockname()[1],
         count,
         len(policy.pools),
         len(policy.lanes),
+        compiled.status,
     )
     try:
         return asyncio.run(supervisor.run())

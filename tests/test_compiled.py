@@ -1,0 +1,105 @@
+"""The compiled request path (``proxy/compiled.py``): used only when it is the build of the
+sources beside it, and never when told not to."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy import compiled
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = (
+    "import proxy, proxy.compiled as c, proxy.relay.relay as r; print(c.status); print(r.__file__)"
+)
+
+SAME = {m: "d" for m in compiled.MODULES}
+
+
+@pytest.mark.parametrize(
+    ("built", "sources", "why"),
+    [
+        (SAME, SAME, None),
+        ({**SAME, "proxy.extra": "d"}, SAME, "built from another list of modules"),
+        ({m: "d" for m in compiled.MODULES[1:]}, SAME, "built from another list of modules"),
+        (SAME, {m: "d" for m in compiled.MODULES[1:]}, "a compiled module's source is missing"),
+        (SAME, {**SAME, compiled.MODULES[3]: "e"}, f"{compiled.MODULES[3]} changed since"),
+        (
+            SAME,
+            {**SAME, compiled.MODULES[3]: "e", compiled.MODULES[5]: "e"},
+            f"{compiled.MODULES[3]} and 1 more changed since",
+        ),
+    ],
+)
+def test_a_build_runs_only_the_sources_it_was_built_from(
+    built: dict[str, str], sources: dict[str, str], why: str | None
+) -> None:
+    found = compiled.current({"modules": built}, sources)
+    if why is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(why)
+
+
+def test_a_manifest_without_modules_is_no_build() -> None:
+    assert compiled.current({}, SAME) == "built from another list of modules"
+
+
+def _probe(root: Path, **env: str) -> tuple[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k != compiled.OFF}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=root,
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split("\n")
+    return out[0], out[1]
+
+
+def _build_present() -> None:
+    if not (compiled.build_dir(ROOT) / compiled.MANIFEST).is_file():
+        pytest.skip("no compiled build here (make test builds it first)")
+
+
+def test_the_current_build_runs_unless_told_not_to() -> None:
+    _build_present()
+    status, file = _probe(ROOT)
+    assert status.startswith("compiled"), status
+    assert Path(file).is_relative_to(compiled.build_dir(ROOT))
+    status, file = _probe(ROOT, **{compiled.OFF: "1"})
+    assert status == f"interpreted ({compiled.OFF} is set)"
+    assert file == str(ROOT / "proxy" / "relay" / "relay.py")
+
+
+def test_one_edited_module_leaves_the_whole_build(tmp_path: Path) -> None:
+    _build_present()
+    shutil.copytree(ROOT / "proxy", tmp_path / "proxy")
+    shutil.copytree(compiled.build_dir(ROOT), compiled.build_dir(tmp_path))
+    status, file = _probe(tmp_path)
+    assert status.startswith("compiled"), status  # the copy is current: it runs
+    edited = compiled.source_of(compiled.MODULES[0], tmp_path)
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    status, file = _probe(tmp_path)
+    assert status.startswith(f"interpreted ({compiled.MODULES[0]} changed since the build")
+    assert file == str(tmp_path / "proxy" / "relay" / "relay.py")  # not only the edited one
+
+
+def test_a_build_for_other_modules_is_not_used(tmp_path: Path) -> None:
+    _build_present()
+    shutil.copytree(ROOT / "proxy", tmp_path / "proxy")
+    build = compiled.build_dir(tmp_path)
+    shutil.copytree(compiled.build_dir(ROOT), build)
+    manifest = json.loads((build / compiled.MANIFEST).read_text())
+    del manifest["modules"][compiled.MODULES[-1]]
+    (build / compiled.MANIFEST).write_text(json.dumps(manifest))
+    status, _ = _probe(tmp_path)
+    assert status == "interpreted (built from another list of modules)"
