@@ -60,8 +60,8 @@ soak: compiled
 	$(PY) -m loadtest.bench_soak --minutes $${MINUTES:-30}
 
 lint: venv
-	$(VENV)/bin/ruff check proxy loadtest tests
-	$(VENV)/bin/ruff format --check proxy loadtest tests
+	$(VENV)/bin/ruff check proxy loadtest tests scripts
+	$(VENV)/bin/ruff format --check proxy loadtest tests scripts
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests/test_layers.py tests/test_sim_imports.py tests/test_internals.py
 
