@@ -124,6 +124,16 @@ class CompiledFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, file)
 
 
+def stale(root: Path = ROOT) -> str | None:
+    """Why the build under ``root`` may not run its sources (``current``, or no build);
+    None: it may. Read by ``install`` and by ``scripts/compile.py``."""
+    try:
+        manifest = json.loads((build_dir(root) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no compiled build: make run or make test builds it"
+    return current(manifest, digests(MODULES, root))
+
+
 def install(root: Path = ROOT) -> str:
     """Run the compiled build from now on when it is current; returns what runs (``status``)."""
     global status
@@ -138,14 +148,10 @@ def _install(root: Path) -> str:
         return status
     if any(m in sys.modules for m in MODULES):
         return "interpreted (the modules were imported before the build could be used)"
-    build = build_dir(root)
-    try:
-        manifest = json.loads((build / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return "interpreted (no compiled build: make run or make test builds it)"
-    why = current(manifest, digests(MODULES, root))
+    why = stale(root)
     if why is not None:
         return f"interpreted ({why})"
+    build = build_dir(root)
     files = {name: extension_of(name, build) for name in (*MODULES, f"{GROUP}__mypyc")}
     if not all(f.is_file() for f in files.values()):
         return "interpreted (the build is incomplete)"
@@ -165,4 +171,5 @@ __all__ = [
     "extension_of",
     "install",
     "source_of",
+    "stale",
 ]

@@ -25,14 +25,10 @@ from proxy import compiled  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    if "--force" not in argv and compiled.stale(ROOT) is None:
+        return 0
     build = compiled.build_dir(ROOT)
     sources = compiled.digests()
-    try:
-        manifest = json.loads((build / compiled.MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    if "--force" not in argv and compiled.current(manifest, sources) is None:
-        return 0
     try:
         from mypyc.build import mypycify
         from setuptools import setup
