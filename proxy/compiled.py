@@ -33,6 +33,7 @@ from types import ModuleType
 
 MODULES = (
     "proxy.edge.endpoint",
+    "proxy.edge.head",
     "proxy.edge.validate",
     "proxy.fleet.replica",
     "proxy.observe.gaps",
@@ -43,11 +44,13 @@ MODULES = (
     "proxy.relay.h1",
     "proxy.relay.homes",
     "proxy.relay.relay",
+    "proxy.relay.reply",
     "proxy.relay.reprefill",
     "proxy.relay.respond",
     "proxy.relay.resume",
     "proxy.relay.retry",
     "proxy.relay.sse",
+    "proxy.relay.watchdog",
     "proxy.routing.admission",
     "proxy.routing.balance",
     "proxy.routing.estimate",

@@ -28,7 +28,6 @@ from proxy.fleet.discovery import Discovery, dns_hosts, expand
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.fleet.health import HealthMonitor
 from proxy.fleet.kv_events import KvEventFeeds, PromptTokens
-from proxy.observe import accesslog
 from proxy.observe.merge import Family, families, merge, registry_of, worker_gauges
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes
@@ -105,7 +104,8 @@ class Gateway:
         self.metrics = Metrics()
         self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
         self.estimator = Estimator.from_config(policy.estimate)
-        self.outcomes = Outcomes(Recorder(self.metrics, self.estimator), accesslog.flush_lines)
+        recorder = Recorder(self.metrics, self.estimator)
+        self.outcomes = Outcomes(recorder, recorder.batch_done)
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances. The workers of one serve share them through their link

@@ -52,7 +52,7 @@ async def answering_each_request(answer: bytes) -> AsyncIterator[tuple[str, list
 def connection_of(response: httpx.Response) -> h1.H1Connection:
     stream = response.stream
     assert isinstance(stream, RawResponseStream)
-    return stream._conn
+    return stream.reply.conn
 
 
 async def test_a_pumped_body_goes_to_the_handler_in_order_and_a_declined_chunk_comes_back(

@@ -29,6 +29,7 @@ import uvicorn
 import uvicorn.lifespan.on
 import uvicorn.server
 from httpx_aiohttp.transport import AiohttpTransport
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -304,6 +305,38 @@ INTERNALS = [
                 source_has(RequestResponseCycle.send, 'b"%x\\r\\n" % len(body), body, b"\\r\\n"'),
                 source_has(FlowControl.__init__, "self.write_paused = False"),
                 assert_equal(inspect.iscoroutinefunction(FlowControl.drain), True),
+            )
+            and None
+        ),
+    ),
+    Internal(
+        "uvicorn",
+        "httptools_impl.HEADER_RE, HEADER_VALUE_RE and STATUS_LINE (bytes by status) as "
+        "RequestResponseCycle.send checks and writes a start; the cycle's .default_headers, "
+        ".keep_alive, .expected_content_length, .waiting_for_100_continue, .message_event, "
+        ".access_log",
+        "proxy/edge/head.py start_with_body (tests/test_head.py holds it to send's bytes)",
+        lambda: (
+            (
+                assert_equal(httptools_impl.STATUS_LINE[200], b"HTTP/1.1 200 OK\r\n"),
+                assert_equal(httptools_impl.HEADER_RE.search(b"a b") is not None, True),
+                assert_equal(httptools_impl.HEADER_VALUE_RE.search(b"a\nb") is not None, True),
+                source_has(
+                    RequestResponseCycle.send,
+                    "HEADER_RE.search(name)",
+                    "HEADER_VALUE_RE.search(value)",
+                    "STATUS_LINE[status_code]",
+                    "self.default_headers + list(",
+                ),
+                source_has(
+                    RequestResponseCycle.__init__,
+                    "self.default_headers = default_headers",
+                    "self.keep_alive = keep_alive",
+                    "self.expected_content_length = 0",
+                    "self.waiting_for_100_continue",
+                    "self.message_event = message_event",
+                    "self.access_log = access_log",
+                ),
             )
             and None
         ),

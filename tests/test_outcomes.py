@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import weakref
 
 import httpx
 import pytest
@@ -171,7 +172,9 @@ def test_a_recorded_call_counts_and_teaches_only_what_it_carries(
     outcome: dict[str, object], estimated: float | None, reported: float | None, lessons: int
 ) -> None:
     metrics, learner = Metrics(), Lessons()
-    Recorder(metrics, learner)(a_call(status=200, **outcome), 0.5, 1.0)
+    recorder = Recorder(metrics, learner)
+    recorder(a_call(status=200, **outcome), 0.5, 1.0)
+    recorder.batch_done()
     sample = metrics.registry.get_sample_value
     pool = str(outcome.get("pool") or "")
     labels = {"lane": LANE.name, "pool": pool, "replica": "", "status": "200"}
@@ -181,10 +184,45 @@ def test_a_recorded_call_counts_and_teaches_only_what_it_carries(
     assert len(learner.seen) == lessons
 
 
+def test_a_batch_is_added_to_its_series_at_its_end_each_value_counted() -> None:
+    """Counts and observations of one batch are held until ``batch_done``, then added: every
+    request counted, every value in its bucket and the sum, as one by one."""
+    metrics, learner = Metrics(), Lessons()
+    recorder = Recorder(metrics, learner)
+    durations = [0.004, 0.3, 0.3, 7.0]
+    for i, duration in enumerate(durations):
+        recorder(a_call(f"r-{i}", status=200, pool="p", ttft_s=0.01 * (i + 1)), duration, 1.0)
+    sample = metrics.registry.get_sample_value
+    served = {"lane": LANE.name, "pool": "p", "replica": "", "status": "200"}
+    assert sample("tokenlane_requests_total", served) in (None, 0.0)  # held
+    recorder.batch_done()
+    assert sample("tokenlane_requests_total", served) == 4.0
+    lane = {"lane": LANE.name, "pool": "p"}
+    assert sample("tokenlane_request_duration_seconds_count", lane) == 4.0
+    assert sample("tokenlane_request_duration_seconds_sum", lane) == pytest.approx(sum(durations))
+    one_by_one = Metrics()
+    for duration in durations:
+        one_by_one.duration.labels(LANE.name, "p").observe(duration)
+    for bound in ("0.005", "0.5", "10.0", "+Inf"):
+        want = one_by_one.registry.get_sample_value(
+            "tokenlane_request_duration_seconds_bucket", {**lane, "le": bound}
+        )
+        assert want is not None
+        assert sample("tokenlane_request_duration_seconds_bucket", {**lane, "le": bound}) == want
+    assert sample("tokenlane_ttft_seconds_count", lane) == 4.0
+    recorder.batch_done()  # an empty batch adds nothing
+    assert sample("tokenlane_requests_total", served) == 4.0
+
+
 class CountingStream(io.StringIO):
     def __init__(self) -> None:
         super().__init__()
         self.flushes = 0
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        return super().write(s)
 
     def flush(self) -> None:
         self.flushes += 1
@@ -192,11 +230,12 @@ class CountingStream(io.StringIO):
 
 
 @pytest.mark.parametrize("prefix", [None, "line "])
-async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once(
+async def test_access_lines_are_written_once_per_batch_and_a_refusal_at_once(
     prefix: str | None,
 ) -> None:
     """As made, the handler is written to directly; given a formatter, through log records
-    that it formats: the same lines either way."""
+    that it formats: the same lines either way, a batch in one write to the stream whatever
+    its buffering (an unbuffered stdout made each line a system call)."""
     stream = CountingStream()
     log = logging.getLogger("tokenlane.access.test-batch")
     log.propagate = False
@@ -210,7 +249,7 @@ async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once(
         outcomes = Outcomes(lambda c, d, ts: write_line(c, d, ts, log), lambda: flush_lines(log))
         outcomes.add(a_call("r-1"), 0.1)
         outcomes.add(a_call("r-2"), 0.1)
-        assert stream.flushes == 0  # queued: nothing written yet
+        assert stream.flushes == 0 and stream.writes == 0  # queued: nothing written yet
         outcomes.flush()
         text = stream.getvalue()
         if prefix is not None:
@@ -218,9 +257,9 @@ async def test_access_lines_are_flushed_once_per_batch_and_a_refusal_at_once(
             text = text.replace(prefix, "")
         lines = [json.loads(x) for x in text.splitlines()]
         assert [x["request_id"] for x in lines] == ["r-1", "r-2"]
-        assert stream.flushes == 1  # two lines, one flush
-        outcomes.flush()  # an empty batch flushes nothing
-        assert stream.flushes == 1
+        assert stream.flushes == 1 and stream.writes == 1  # two lines, one write, one flush
+        outcomes.flush()  # an empty batch writes nothing
+        assert stream.flushes == 1 and stream.writes == 1
         accesslog.write_refusal("/v1/chat/completions", 401, "r-3", "no key", 0.001, 0.0, log)
         assert stream.flushes == 2
         last = stream.getvalue().splitlines()[-1].removeprefix(prefix or "")
@@ -248,8 +287,11 @@ def test_an_access_line_that_cannot_be_written_is_reported_not_raised(
     handler = accesslog.BatchedLines(BrokenStream())
     log.addHandler(handler)
     try:
-        write_line(a_call("r-1"), 0.1, 1.0, log)  # does not raise
+        write_line(a_call("r-1"), 0.1, 1.0, log)  # held for the batch
+        flush_lines(log)  # does not raise
         assert "BrokenPipeError" in capsys.readouterr().err  # logging.raiseExceptions
+        flush_lines(log)  # the failed batch is not written again
+        assert capsys.readouterr().err == ""
     finally:
         log.removeHandler(handler)
 
@@ -268,3 +310,21 @@ def test_an_access_line_is_what_json_writes(record: dict[str, object]) -> None:
     line = accesslog.encode_line(record)
     assert line == json.dumps(record, separators=(",", ":"))
     assert line.isascii() and "\n" not in line and json.loads(line) == record
+
+
+def test_lines_held_for_a_batch_are_written_at_exit() -> None:
+    """``logging.shutdown`` (at interpreter exit) flushes every handler: what a batch held when
+    the process ended is written, as the stream's own buffer would have been."""
+    stream = CountingStream()
+    log = logging.getLogger("tokenlane.access.test-exit")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = accesslog.BatchedLines(stream)
+    log.addHandler(handler)
+    try:
+        write_line(a_call("r-1"), 0.1, 1.0, log)
+        assert stream.writes == 0
+        logging.shutdown([weakref.ref(handler)])
+        assert json.loads(stream.getvalue())["request_id"] == "r-1"
+    finally:
+        log.removeHandler(handler)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import FakeUpstream, running
+from proxy.errors import UpstreamClosed
 from proxy.fleet.fleet import Fleet
 from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
@@ -31,6 +32,8 @@ from .gateway import (
     running_gateway,
 )
 from .servers import free_port
+from .test_upstream import HEAD, counting_client, listening
+from .test_upstream import send as send_to
 from .waiting import wait_until
 
 CHAT = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": [{"role": "user", "content": "hi"}]}
@@ -93,35 +96,49 @@ async def test_a_relayed_stream_leaves_no_async_generator_to_the_loop(
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["ended", "raised"])
-async def test_chunks_handed_back_are_over_once_ended_or_raised(
-    fail: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_chunks_handed_back_are_over_once_ended_or_raised(fail: bool) -> None:
     """``StreamFlow.handed_back`` ends for good when its pump ends or raises, as a generator
-    does: it never pumps again (the response's connection may serve another request by then)."""
-    pumped: list[int] = []
+    does: it never pumps again (the response's connection may serve another request by then).
+    A plain stream's flow with no client writer hands every chunk back; the replica then ends
+    its body, or resets the connection."""
+    first = asyncio.Event()
+    go_on = asyncio.Event()
 
-    async def pump(_response: object, _flow: object) -> bytes | None:
-        pumped.append(1)
-        if len(pumped) == 1:
-            return b"declined"
-        if len(pumped) == 2:
-            if fail:
-                raise ConnectionResetError
-            return None  # the body's end
-        return b"late"
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD + b"9\r\ndata: a\n\n\r\n")
+        await writer.drain()
+        first.set()
+        await go_on.wait()
+        if fail:
+            writer.transport.abort()  # a reset
+        else:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read()
 
-    monkeypatch.setattr(respond, "pump", pump)
-    policy = build_policy(policy_for({"p": ["http://a:1"]}))
-    metrics = Metrics()
-    (replica,) = Fleet(policy, {}, metrics=metrics).replicas()
-    flow = respond.StreamFlow(a_call(policy.lanes[0]), Attempt(replica, None), metrics, False)
-    chunks = flow.handed_back(httpx.Response(200))
-    assert await chunks.__anext__() == b"declined"
-    with pytest.raises(ConnectionResetError if fail else StopAsyncIteration):
-        await chunks.__anext__()
-    with pytest.raises(StopAsyncIteration):
-        await chunks.__anext__()
-    assert len(pumped) == 2
+    client, _ = counting_client()
+    try:
+        async with listening(serve) as url:
+            response = await send_to(client, url)
+            reply = response.stream.reply  # type: ignore[attr-defined]
+            policy = build_policy(policy_for({"p": ["http://a:1"]}))
+            metrics = Metrics()
+            (replica,) = Fleet(policy, {}, metrics=metrics).replicas()
+            call = a_call(policy.lanes[0])
+            flow = respond._Relayed(call, Attempt(replica, None), metrics, False, b"")
+            chunks = flow.handed_back(reply)
+            await first.wait()
+            assert await chunks.__anext__() == b"data: a\n\n"  # handed back
+            go_on.set()
+            with pytest.raises(UpstreamClosed if fail else StopAsyncIteration):
+                await chunks.__anext__()
+            # Pumped again, the reset connection would raise again: it is not pumped.
+            with pytest.raises(StopAsyncIteration):
+                await chunks.__anext__()
+            await reply.aclose()
+    finally:
+        await client.aclose()
 
 
 async def test_role_chunk_is_held_and_sent_with_the_first_content() -> None:

@@ -51,6 +51,7 @@ from proxy.edge.bounds import (
     on_timer,
     refusal_answer,
 )
+from proxy.edge.head import start_with_body
 from proxy.errors import HeadRefused
 from proxy.observe.metrics import Metrics
 
@@ -109,12 +110,42 @@ class CoalescingCycle(RequestResponseCycle):
         if body is None:
             await super().send(cast(Any, message))
             return
+        more = bool(message.get(START_MORE_BODY, False))
+        if (
+            message["type"] == "http.response.start"
+            and not (self.response_started or self.disconnected or self.access_log)
+            and not self.flow.write_paused
+        ):
+            # ``send``'s own rules, compiled (``edge/head.py``); None where it would raise.
+            start = start_with_body(
+                message["status"],
+                message.get("headers", ()),
+                self.default_headers,
+                self.scope["method"],
+                self.chunked_encoding,
+                self.expected_content_length,
+                self.keep_alive,
+                body,
+                more,
+            )
+            if start is not None:
+                self.response_started = True
+                self.waiting_for_100_continue = False
+                self.chunked_encoding = start.chunked
+                self.expected_content_length = start.length
+                self.keep_alive = start.keep_alive
+                self.transport.writelines(start.parts)
+                if start.complete:
+                    self.response_complete = True
+                    self.message_event.set()
+                    if not self.keep_alive:
+                        self.transport.close()
+                return
         transport = self.transport
         capture = _Capture(transport)
         self.transport = capture  # type: ignore[assignment]
         try:
             await super().send(cast(Any, message))
-            more = bool(message.get(START_MORE_BODY, False))
             await super().send({"type": "http.response.body", "body": body, "more_body": more})
         finally:
             self.transport = transport

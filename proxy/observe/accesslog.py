@@ -35,35 +35,52 @@ def encode_line(record: dict[str, Any]) -> str:
 
 
 class BatchedLines(logging.StreamHandler):
-    """The access log's handler (``configure_logging``): each line goes to the stream's
-    buffer, and the stream is flushed (a system call) once per batch of outcomes
-    (``flush_lines``), not once per line: a line per request cost a write per request.
+    """The access log's handler (``configure_logging``): a batch of outcomes' lines
+    (``flush_lines``) leaves in one write to the stream, not one write per line. The stream's
+    own buffer cannot be relied on for that: with ``PYTHONUNBUFFERED=1`` (the Docker image
+    sets it, as CI and most process managers do) every line was a system call of its own.
 
     Its lines are the messages as they are; while nobody gave it another formatter (``plain``)
-    the access log writes them here itself (``write``), without a log record."""
+    the access log hands it lines itself (``write``), without a log record."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
         self.setFormatter(_PLAIN)
+        self._lines: list[str] = []
 
     @property
     def plain(self) -> bool:
         return self.formatter is _PLAIN
 
     def write(self, line: str) -> None:
-        """What ``emit`` writes of a record whose message is ``line``, and as it does, a
-        failed write reported (``handleError``), not raised. Without ``emit``'s lock: access
-        lines are written on the event loop's thread alone."""
+        """Hold ``line`` for the batch's write. Without ``emit``'s lock: access lines are
+        written on the event loop's thread alone."""
+        self._lines.append(line + self.terminator)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """A record (another formatter, a filter) is held for the batch's write as well."""
         try:
-            self.stream.write(line + self.terminator)
+            self._lines.append(self.format(record) + self.terminator)
         except Exception:
-            self.handleError(logging.makeLogRecord({"msg": line, "name": logger.name}))
+            self.handleError(record)
 
     def flush(self) -> None:
-        """Called by ``emit`` after every line: deferred to ``flush_batch``."""
+        """Write what is held in one write, then flush the stream (``flush_lines``; also
+        ``logging.shutdown`` at exit); a failed write is reported (``handleError``) as
+        ``emit`` reports one, not raised: the batch's other outcomes still get recorded."""
+        lines = self._lines
+        if not lines:
+            return
+        self._lines = []
+        text = lines[0] if len(lines) == 1 else "".join(lines)
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except Exception:
+            self.handleError(logging.makeLogRecord({"msg": text, "name": logger.name}))
 
     def flush_batch(self) -> None:
-        super().flush()
+        self.flush()
 
 
 def flush_lines(log: logging.Logger = logger) -> None:

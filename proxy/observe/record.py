@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from proxy.observe.accesslog import write_line
+from proxy.observe.accesslog import flush_lines, write_line
+from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics, replica_ttft_s
 
 if TYPE_CHECKING:
@@ -22,31 +23,49 @@ class Learner(Protocol):
 
 
 class Recorder:
-    """Records a finished ``Call``: an ``outcomes.Record`` for ``Outcomes``."""
+    """Records a finished ``Call``: an ``outcomes.Record`` for ``Outcomes``, whose batch ends
+    with ``batch_done``.
+
+    A batch's counts and observations are added to their series once per series at its end:
+    ``Counter.inc`` and ``Histogram.observe`` take a lock and walk prometheus-client's Python
+    per call (seven a request), where a batch of a busy second holds a few series. The access
+    lines go out at the batch's end as well (``accesslog.flush_lines``)."""
 
     def __init__(self, metrics: Metrics, estimator: Learner) -> None:
         self.metrics = metrics
         self.estimator = estimator
+        self._counts: dict[Any, float] = {}  # a counter's series: what this batch adds
+        self._observed: dict[Any, Gaps] = {}  # a histogram's series: this batch's values
+
+    def _inc(self, series: Any, amount: float = 1.0) -> None:
+        counts = self._counts
+        counts[series] = counts.get(series, 0.0) + amount
+
+    def _observe(self, series: Any, value: float) -> None:
+        held = self._observed.get(series)
+        if held is None:
+            held = self._observed[series] = Gaps(series, 0.0)
+        held.observe(value, 0.0)  # one clock: added at the batch's end, or every EVERY values
 
     def __call__(self, call: Call, duration: float, ts: float) -> None:
         m = self.metrics
         lane = call.lane.name
         pool = call.pool or ""
         replica = call.replica.name if call.replica is not None else ""
-        m.series(m.requests, lane, pool, replica, str(call.status)).inc()
-        m.series(m.api_requests, lane, call.kind).inc()
+        self._inc(m.series(m.requests, lane, pool, replica, str(call.status)))
+        self._inc(m.series(m.api_requests, lane, call.kind))
         if call.overhead_s is not None:
-            m.series(m.overhead, lane).observe(call.overhead_s)
+            self._observe(m.series(m.overhead, lane), call.overhead_s)
         # A realtime session's length and first message say nothing of a request's latency:
         # counted, logged, kept out of the lanes' latency histograms.
         if call.pool and call.kind != "realtime":
-            m.series(m.duration, lane, pool).observe(duration)
+            self._observe(m.series(m.duration, lane, pool), duration)
             if call.ttft_s is not None:
-                m.series(m.ttft, lane, pool).observe(call.ttft_s)
+                self._observe(m.series(m.ttft, lane, pool), call.ttft_s)
             if call.replica is not None:
-                m.observe_replica_ttft(
-                    pool, replica, replica_ttft_s(call.ttft_s, call.queue_wait_s, call.retries)
-                )
+                seconds = replica_ttft_s(call.ttft_s, call.queue_wait_s, call.retries)
+                if seconds is not None:
+                    self._observe(m.series(m.replica_ttft, pool, replica), seconds)
         usage = call.usage
         reported = usage.get("prompt_tokens") if usage else None
         profile = call.profile
@@ -56,10 +75,24 @@ class Recorder:
             # Estimated and reported over the same requests: their ratio is the estimator's
             # error, not the share of requests whose usage came back.
             if isinstance(reported, int) and reported > 0:
-                m.series(m.prompt_tokens_estimated, pool).inc(profile.prompt_tokens_est)
-                m.series(m.prompt_tokens_reported, pool).inc(reported)
+                self._inc(m.series(m.prompt_tokens_estimated, pool), profile.prompt_tokens_est)
+                self._inc(m.series(m.prompt_tokens_reported, pool), reported)
                 self.estimator.observe(profile, reported)
         write_line(call, duration, ts)  # the one line per request
+
+    def batch_done(self) -> None:
+        """The batch's counts and observations into their series, then its access lines out."""
+        counts = self._counts
+        if counts:
+            for series, amount in counts.items():
+                series.inc(amount)
+            counts.clear()
+        observed = self._observed
+        if observed:
+            for held in observed.values():
+                held.flush(0.0)
+            observed.clear()
+        flush_lines()
 
 
 __all__ = ["Learner", "Recorder"]

@@ -14,6 +14,9 @@ connection's own ``data_received``, and the relay writes it to the client there 
 What this client does not do, because the relay never asks it to: redirects, cookies,
 decompression, proxies, ``Expect: 100-continue``, HTTP/2. Errors are Tokenlane's own
 (``proxy.errors``), told apart by how far the exchange got, as ``upstream.py`` documents.
+
+Length: one job, the client: the connection's protocol, its pool and the send that takes a
+connection from the pool (resending on a stale one) change together.
 """
 
 from __future__ import annotations
@@ -45,6 +48,20 @@ _CRLF = b"\r\n"
 # way), or ``PAUSE`` when it took the chunk but the client's socket is full.
 Handler = Callable[[bytes], "bytes | None"]
 PAUSE = b""
+
+# A request that met a close or reset on a connection taken from the pool, before any byte of
+# an answer, is sent again on another connection, at most this many times. The server closed
+# a connection it held idle (its keep-alive ran out, or it is shutting down: a rolling restart
+# closes every idle connection at once), so it never read the request: RFC 9112 section 9.3.1
+# lets a client resend what it knows was never applied, and a pooled connection closed under
+# the request is what HAProxy's "http-reuse safe" and aiohttp's own resend (idempotent methods
+# only) are for. A fresh connection that fails the same way is a replica that read the
+# request and died: that is the retry rules' to judge (``relay/retry.py``), not resent here.
+STALE_RESENDS = 3
+# Methods whose requests carry no body, so no Content-Length when they have none.
+NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Set by ``request_head`` itself, whatever the request's headers say.
+SET_HERE = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 
 class H1Connection(asyncio.Protocol):
@@ -388,6 +405,51 @@ class H1Pool:
             raise UpstreamUnreached(str(exc) or type(exc).__name__) from exc
         return conn
 
+    async def send(
+        self,
+        origin: Origin,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout: float | None,
+        *,
+        resendable: bool = True,
+        on_stale_resend: Callable[[], None] | None = None,
+    ) -> H1Connection:
+        """Send a request and read its answer's head: the connection, its status and headers
+        read, its body still to come. Raises only ``UpstreamError``. ``resendable``: the
+        body may go out twice (``STALE_RESENDS``); ``on_stale_resend`` is told each time."""
+        length = len(body) if body or method not in NO_BODY_METHODS else None
+        sent = [(k, v) for k, v in headers if k.lower() not in SET_HERE]
+        head = request_head(method, target, origin.host_header, sent, length)
+        loop = asyncio.get_running_loop()
+        resends = 0
+        while True:
+            conn = self.take_idle(origin, loop)
+            from_pool = conn is not None
+            if conn is None:
+                conn = await self.connect(origin)
+            conn.head_only = method == "HEAD"
+            try:
+                await conn.exchange(head, body, read_timeout)
+            except UpstreamClosed:
+                conn.close()
+                # Closed before any byte of an answer on a connection taken from the pool: the
+                # replica closed it idle and never read the request (``STALE_RESENDS``).
+                if conn.got_bytes or not stale_resend_allowed(
+                    from_pool, resends, streamed=not resendable
+                ):
+                    raise
+                resends += 1
+                if on_stale_resend is not None:
+                    on_stale_resend()
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
     def release(self, origin: Origin, conn: H1Connection) -> None:
         """Back to the pool when the exchange ended cleanly; else closed. The oldest idle
         connections past their expiry are closed here too: taking the most recent first, a
@@ -409,6 +471,13 @@ class H1Pool:
             origin.idle.clear()
 
 
+def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bool:
+    """Whether a request that met a close or reset before any answer goes out again: only
+    when its connection came from the pool (see ``STALE_RESENDS``) and its body can be sent
+    twice."""
+    return from_pool and not streamed and resends < STALE_RESENDS
+
+
 def request_head(
     method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], length: int | None
 ) -> bytes:
@@ -422,4 +491,16 @@ def request_head(
     return b"".join(parts)
 
 
-__all__ = ["HIGH_WATER", "PAUSE", "H1Connection", "H1Pool", "Handler", "Origin", "request_head"]
+__all__ = [
+    "HIGH_WATER",
+    "NO_BODY_METHODS",
+    "PAUSE",
+    "SET_HERE",
+    "STALE_RESENDS",
+    "H1Connection",
+    "H1Pool",
+    "Handler",
+    "Origin",
+    "request_head",
+    "stale_resend_allowed",
+]

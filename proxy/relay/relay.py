@@ -22,7 +22,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -46,7 +46,9 @@ from proxy.fleet.kv_events import PromptTokens
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Attempt, Call
+from proxy.relay.h1 import Origin
 from proxy.relay.homes import ResponseHomes
+from proxy.relay.reply import Reply
 from proxy.relay.respond import HOP_BY_HOP, Responder
 from proxy.relay.resume import Resumer
 from proxy.relay.retry import (
@@ -59,10 +61,12 @@ from proxy.relay.retry import (
     judge,
 )
 from proxy.relay.upstream import (
+    RelayTransport,
     UpstreamClient,
     make_client,
     timeout_extension,
 )
+from proxy.relay.watchdog import Watchdog
 from proxy.routing.admission import Admission
 from proxy.routing.cache_aware import PreciseFeeds
 from proxy.routing.pick import CANARY_POLL_S, Picker
@@ -128,8 +132,10 @@ class Relay:
         # Requests go to the client's transport directly: AsyncClient.send() adds redirects,
         # auth, cookie extraction and event hooks, none of which a proxy uses, at ~15 % of the
         # gateway's CPU per request.
-        self.transport = client.transport
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self.transport: RelayTransport = client.transport
+        # Where each (replica, path) goes: its pool origin and request target, as httpx.URL
+        # reads them, made once (paths with an id in them, and queries, each time).
+        self._targets: dict[tuple[str, str], tuple[Origin, bytes]] = {}
         self.rng = random.Random()
         self.requests_in_flight = 0
         # Requests on a retried attempt. Only those whose retry is still pending (nothing sent
@@ -330,26 +336,38 @@ class Relay:
             headers.append((b"authorization", b"Bearer " + replica.api_key.encode()))
         return headers
 
-    def _request(self, call: Call, replica: Replica) -> httpx.Request:
-        if call.query:
-            url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
+    @staticmethod
+    def _read_timeout(lane: LaneConfig, stream: bool) -> float | None:
+        """As ``_timeout``'s read: a stream's idle watchdog; none for a plain response."""
+        return lane.stream_idle_timeout_s if stream else None
+
+    def _target(self, call: Call, replica: Replica) -> tuple[Origin, bytes]:
+        """Where the attempt goes: the replica's pool origin and the request target."""
+        key = (replica.url, call.path)
+        if not call.query:
+            found = self._targets.get(key)
+            if found is not None:
+                return found
+            url = httpx.URL(replica.url + call.path)
         else:
-            cached = self._urls.get((replica.url, call.path))
-            if cached is None:
-                cached = httpx.URL(replica.url + call.path)
-                if call.pinned is None:  # not a path with an id in it: one of a few
-                    self._urls[(replica.url, call.path)] = cached
-            url = cached
-        # Built directly, with the body as a ready stream: a fifth of the cost of
-        # ``content=`` (which copies headers twice to add Host and Content-Length; the
-        # transport adds both from the URL and the bytes) and of client.build_request().
-        return httpx.Request(
-            call.method,
-            url,
-            stream=httpx.ByteStream(call.body),
-            headers=self._upstream_headers(call, replica),
-            extensions={"timeout": self._timeout(call.lane, call.stream)},
+            url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
+        found = (self.transport.pool.origin(url.scheme, url.raw_host, url.port), url.raw_path)
+        if not call.query and call.pinned is None:  # not a path with an id in it: one of a few
+            self._targets[key] = found
+        return found
+
+    def _traced_headers(
+        self, call: Call, replica: Replica, origin: Origin, target: bytes
+    ) -> tuple[Any, list[tuple[bytes, bytes]]]:
+        """The attempt's span and its headers with the span's trace context (tracing on)."""
+        assert self.tracer is not None
+        scheme = "https" if origin.ssl is not None else "http"
+        host = origin.host_header.decode()
+        request = httpx.Request(
+            call.method, f"{scheme}://{host}", headers=self._upstream_headers(call, replica)
         )
+        span = self.tracer.attempt_started(call, replica, request)
+        return span, request.headers.raw
 
     async def _attempt(self, call: Call, replica: Replica, send: Send, deadline: float) -> None:
         """One attempt on ``replica``. ``deadline`` (event loop time) is the request's: a
@@ -367,15 +385,17 @@ class Relay:
         counted = True  # whether the outcome is held for or against the replica
         # The replica whose 5xx this attempt replays, if any (see ``_deferred_5xx``).
         replayed_5xx_of = self._deferred_5xx.pop(call, None)
-        response: httpx.Response | None = None
+        response: Reply | None = None
         tracer = self.tracer
         span = None
         raised: BaseException | None = None
         try:
             try:
-                request = self._request(call, replica)
+                origin, target = self._target(call, replica)
                 if tracer is not None:
-                    span = tracer.attempt_started(call, replica, request)
+                    span, headers = self._traced_headers(call, replica, origin, target)
+                else:
+                    headers = self._upstream_headers(call, replica)
                 if call.overhead_s is None:  # arrival to the first send, retries apart
                     call.overhead_s = now() - call.received_at
                 # The first-token watchdog (streams only) runs from the attempt's start: a
@@ -384,18 +404,30 @@ class Relay:
                 # off just before anything is sent to the client. A plain response arrives whole
                 # at the end of generation: its attempt is not cut (the deadline only stops
                 # further ones).
+                loop = asyncio.get_running_loop()
                 fire_at = None
                 if call.stream:
-                    fire_at = asyncio.get_running_loop().time() + call.lane.first_token_timeout_s
+                    fire_at = loop.time() + call.lane.first_token_timeout_s
                     if fire_at > deadline:
                         fire_at = deadline
+                watchdog = Watchdog(loop, fire_at)
                 try:
-                    async with asyncio.timeout_at(fire_at) as watchdog:
-                        response = await self.transport.handle_async_request(request)
-                        attempt.phase = Phase.HELD
-                        await self._relay_response(call, attempt, response, send, watchdog)
-                except TimeoutError:
-                    raise self._watchdog_fault(call, replica, fire_at == deadline) from None
+                    response = await self.transport.send(
+                        origin,
+                        call.method,
+                        target,
+                        headers,
+                        call.body,
+                        self._read_timeout(call.lane, call.stream),
+                    )
+                    attempt.phase = Phase.HELD
+                    await self._relay_response(call, attempt, response, send, watchdog)
+                except asyncio.CancelledError:
+                    if watchdog.close(cancelled=True):
+                        raise self._watchdog_fault(call, replica, fire_at == deadline) from None
+                    raise
+                finally:
+                    watchdog.close(cancelled=False)
                 if call.status >= 500:
                     failure = FailureKind.UPSTREAM_5XX
                 elif call.continuation is not None:
@@ -501,9 +533,9 @@ class Relay:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
-        watchdog: asyncio.Timeout,
+        watchdog: Watchdog,
     ) -> None:
         status = response.status_code
         fault = _STATUS_FAULTS.get(status)
@@ -534,7 +566,7 @@ def query_text(raw: bytes) -> str:
     return "".join(chr(b) if b < 0x80 else f"%{b:02X}" for b in raw)
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
+def _is_event_stream(response: Reply) -> bool:
     # From the raw headers: ``headers.get`` decodes them all first, on every response.
     for key, value in response.headers.raw:
         if key.lower() == b"content-type":

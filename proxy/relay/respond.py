@@ -8,13 +8,10 @@ attempt around it; nothing here retries or judges a replica.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
-
-import httpx
 
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY, BodyWriter
 from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
@@ -26,8 +23,9 @@ from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.h1 import PAUSE
 from proxy.relay.homes import ResponseHomes
+from proxy.relay.reply import Reply
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import at_eof, pump, raw_chunks
+from proxy.relay.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -64,7 +62,7 @@ class Responder:
         self.tracer = tracer
         self.homes = homes
 
-    def response_start(self, call: Call, response: httpx.Response, status: int) -> dict[str, Any]:
+    def response_start(self, call: Call, response: Reply, status: int) -> dict[str, Any]:
         # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
         drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
@@ -81,15 +79,15 @@ class Responder:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
-        watchdog: asyncio.Timeout,
+        watchdog: Watchdog,
     ) -> None:
         """A plain chat or completion response (or an error status): read it whole (its usage
         is parsed), then send it unchanged."""
         # Raw bytes, as the stream path relays them: ``aread()`` would undo a Content-Encoding
         # the headers still announce (with the compressed Content-Length).
-        body = b"".join([part async for part in raw_chunks(response)])
+        body = b"".join([part async for part in response.chunks()])
         watchdog.reschedule(None)  # from here on the client has bytes: no retry
         attempt.last_progress = time.monotonic()
         call.status = response.status_code
@@ -113,9 +111,9 @@ class Responder:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
-        watchdog: asyncio.Timeout,
+        watchdog: Watchdog,
     ) -> None:
         """A pass-through response (embeddings, audio, tokenize...): unchanged, as it comes.
 
@@ -138,7 +136,7 @@ class Responder:
         attempt.phase = Phase.CONTENT
         attempt.last_progress = time.monotonic()
         await send(self.response_start(call, response, call.status))
-        async for chunk in raw_chunks(response):
+        async for chunk in response.chunks():
             attempt.last_progress = time.monotonic()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if call.ttft_s is None:
@@ -152,11 +150,11 @@ class Responder:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
-        watchdog: asyncio.Timeout,
+        watchdog: Watchdog,
     ) -> None:
-        chunks = raw_chunks(response)
+        chunks = response.chunks()
         held: list[bytes] = []
         events = sse.EventBuffer()
         found = False
@@ -196,7 +194,7 @@ class Responder:
         # the same write.
         cut_short = False
         if not ended:
-            ended = at_eof(response)
+            ended = response.at_eof()
             # The whole stream in the held reads, without its end: the replica closed early.
             cut_short = ended and not sse.stream_complete(call.kind, body)
         relayed = _Relayed(call, attempt, self.metrics, found, body)
@@ -341,7 +339,7 @@ class StreamFlow:
         inter-token times go into the histogram."""
         self.itl.flush(now())
 
-    def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    def handed_back(self, response: Reply) -> AsyncIterator[bytes]:
         """The rest of ``response``'s body pumped through this handler: the chunks it hands
         back, in order; a full client socket is drained here."""
         return _HandedBack(self, response)
@@ -354,9 +352,9 @@ class _HandedBack:
 
     __slots__ = ("_flow", "_response")
 
-    def __init__(self, flow: StreamFlow, response: httpx.Response) -> None:
+    def __init__(self, flow: StreamFlow, response: Reply) -> None:
         self._flow = flow
-        self._response: httpx.Response | None = response
+        self._response: Reply | None = response
 
     def __aiter__(self) -> _HandedBack:
         return self
@@ -369,7 +367,7 @@ class _HandedBack:
             raise StopAsyncIteration
         flow = self._flow
         try:
-            while (back := await pump(response, flow)) is not None:
+            while (back := await response.pump(flow)) is not None:
                 if back:
                     return back
                 if flow.writer is not None:

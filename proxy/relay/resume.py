@@ -37,10 +37,12 @@ from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
 from proxy.relay.h1 import PAUSE
+from proxy.relay.reply import Reply
 from proxy.relay.reprefill import Reprefills, Slot
 from proxy.relay.respond import StreamFlow
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import raw_chunks
+from proxy.relay.upstream import RelayTransport
+from proxy.relay.watchdog import Watchdog
 from proxy.routing.admission import Admission
 from proxy.routing.pick import CANARY_POLL_S
 
@@ -62,11 +64,11 @@ class Resumer:
         fleet: Fleet,
         metrics: Metrics,
         policy: Callable[[], Policy],
-        transport: httpx.AsyncBaseTransport,
+        transport: RelayTransport,
         pick: Callable[[Call], Replica | None],
         canary_coming: Callable[[Call], bool],
         timeout: Callable[[LaneConfig, bool], dict[str, float | None]],
-        response_start: Callable[[Call, httpx.Response, int], dict[str, Any]],
+        response_start: Callable[[Call, Reply, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
         tracer: Tracer | None = None,
@@ -103,9 +105,9 @@ class Resumer:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
-        watchdog: asyncio.Timeout,
+        watchdog: Watchdog,
     ) -> None:
         """The stream relay for an eligible stream: every event is parsed (its ids kept, and
         hidden from a client that did not ask for them), and a failure after content reached
@@ -300,7 +302,7 @@ class Resumer:
         self,
         call: Call,
         attempt: Attempt,
-        response: httpx.Response,
+        response: Reply,
         send: Send,
         trigger: cont.Trigger,
         why: str,
@@ -419,7 +421,7 @@ class Resumer:
         self.fleet.attempt_started(target)
         target.streams.add(attempt)
         failure: FailureKind | None = None
-        holder: list[httpx.Response] = []
+        holder: list[Reply] = []
         spans: list[Any] = []  # the continuation's CLIENT span, while tracing
         loop = asyncio.get_running_loop()
         name = target.name
@@ -433,21 +435,24 @@ class Resumer:
             ]
             if target.api_key:
                 headers.append((b"authorization", b"Bearer " + target.api_key.encode()))
-            request = httpx.Request(
-                "POST",
-                httpx.URL(target.url + "/v1/completions"),
-                stream=httpx.ByteStream(json.dumps(body).encode()),
-                headers=headers,
-                extensions={"timeout": self.timeout(call.lane, True)},
-            )
+            url = httpx.URL(target.url + "/v1/completions")
             if self.tracer is not None:
                 seam = len(sp.seams)
+                request = httpx.Request("POST", url, headers=headers)
                 spans.append(self.tracer.attempt_started(call, target, request, continuation=seam))
-            resp = await self.transport.handle_async_request(request)
+                headers = request.headers.raw
+            resp = await self.transport.send(
+                self.transport.pool.origin(url.scheme, url.raw_host, url.port),
+                "POST",
+                url.raw_path,
+                headers,
+                json.dumps(body).encode(),
+                self.timeout(call.lane, True)["read"],
+            )
             holder.append(resp)
             if resp.status_code != 200:
                 raise AttemptFault(Fault.STATUS_5XX, f"{name} answered {resp.status_code}")
-            chunks = raw_chunks(resp)
+            chunks = resp.chunks()
             out: list[bytes] = []
             async for chunk in chunks:
                 attempt.last_progress = now()
@@ -581,7 +586,7 @@ class _TokenRelay(StreamFlow):
         self.events = events
         self.strip = strip
 
-    def handed_back(self, response: httpx.Response) -> AsyncIterator[bytes]:
+    def handed_back(self, response: Reply) -> AsyncIterator[bytes]:
         """As ``StreamFlow.handed_back``, with an empty read for the events a read left
         pending (the relay sent its first content before taking them)."""
         return self.events.reads(super().handed_back(response))

@@ -43,7 +43,8 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
-from proxy.relay.h1 import H1Connection, H1Pool, Handler, Origin, request_head
+from proxy.relay.h1 import STALE_RESENDS, H1Pool, Handler, Origin, stale_resend_allowed
+from proxy.relay.reply import Reply
 
 if TYPE_CHECKING:
     from proxy.config import Policy
@@ -57,15 +58,6 @@ POOL_TIMEOUT_S = 5.0
 # connection from the pool and writing the request (virtual machines do); a reconnect every
 # 2.5 s of idleness costs nothing that matters. What the race still costs is resent (below).
 KEEPALIVE_EXPIRY_S = 2.5
-# A request that met a close or reset on a connection taken from the pool, before any byte of
-# an answer, is sent again on another connection, at most this many times. The server closed
-# a connection it held idle (its keep-alive ran out, or it is shutting down: a rolling restart
-# closes every idle connection at once), so it never read the request: RFC 9112 section 9.3.1
-# lets a client resend what it knows was never applied, and a pooled connection closed under
-# the request is what HAProxy's "http-reuse safe" and aiohttp's own resend (idempotent methods
-# only) are for. A fresh connection that fails the same way is a replica that read the
-# request and died: that is the retry rules' to judge (``relay/retry.py``), not resent here.
-STALE_RESENDS = 3
 
 _EXTENSIONS = {"http_version": b"HTTP/1.1"}
 
@@ -130,65 +122,28 @@ def root_cause(exc: BaseException) -> str:
 
 
 class RawResponseStream(httpx.AsyncByteStream):
-    """A response body as the socket delivered it: each read returns what arrived since the
-    last (one relayed chunk per upstream write when the relay keeps up), never re-sliced; or,
-    pumped (``pump``), each chunk handed to the relay as it arrives."""
+    """A response body as the socket delivered it (``h1.Reply``'s), for the httpx users of
+    the transport (the health loop, tests): each read returns what arrived since the last,
+    never re-sliced; or, pumped (``pump``), each chunk handed to a handler as it arrives."""
 
-    __slots__ = ("_conn", "_origin", "_pool", "_released")
+    __slots__ = ("reply",)
 
-    def __init__(self, pool: H1Pool, origin: Origin, conn: H1Connection) -> None:
-        self._pool = pool
-        self._origin = origin
-        self._conn = conn
-        self._released = False
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return _Reads(self._conn)
+        return self.reply.chunks()
 
     async def pump(self, handler: Handler) -> bytes | None:
         """``H1Connection.pump``: None at the body's end, else what the handler returned."""
-        return await self._conn.pump(handler)
+        return await self.reply.pump(handler)
 
     def at_eof(self) -> bool:
         """Everything the replica sent has been read: the last read held the end too."""
-        conn = self._conn
-        return conn.complete and not conn.chunks and not conn.declined
+        return self.reply.at_eof()
 
     async def aclose(self) -> None:
-        if not self._released:
-            self._released = True
-            self._pool.release(self._origin, self._conn)
-
-
-class _Reads:
-    """``RawResponseStream``'s reads, each what arrived since the last; a class, not an async
-    generator: a reader that stops early (at its first content, or at ``[DONE]``) leaves no
-    suspended generator for the event loop to close in a task of its own after the request
-    (``tests/test_relay.py::test_a_relayed_stream_leaves_no_async_generator_to_the_loop``)."""
-
-    __slots__ = ("_conn",)
-
-    def __init__(self, conn: H1Connection) -> None:
-        self._conn: H1Connection | None = conn
-
-    def __aiter__(self) -> _Reads:
-        return self
-
-    async def __anext__(self) -> bytes:
-        # Over for good once it ended or raised, as a generator is: the connection may serve
-        # another request by then.
-        conn = self._conn
-        if conn is None:
-            raise StopAsyncIteration
-        try:
-            chunk = await conn.next_chunk()
-        except BaseException:
-            self._conn = None
-            raise
-        if chunk:
-            return chunk
-        self._conn = None
-        raise StopAsyncIteration
+        await self.reply.aclose()
 
 
 class RelayTransport(AiohttpTransport):
@@ -207,8 +162,7 @@ class RelayTransport(AiohttpTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request``; raises only ``UpstreamError`` for what the exchange met."""
         url = request.url
-        pool = self.pool
-        origin = pool.origin(url.scheme, url.raw_host, url.port)
+        origin = self.pool.origin(url.scheme, url.raw_host, url.port)
         stream = request.stream
         streamed = not isinstance(stream, httpx.ByteStream)
         if streamed:  # read whole, and never sent twice (it may not be readable again)
@@ -216,55 +170,54 @@ class RelayTransport(AiohttpTransport):
             body = b"".join([part async for part in stream])
         else:
             body = b"".join(stream)  # type: ignore[arg-type]  # a ByteStream is both kinds
-        method = request.method
-        length = len(body) if body or method not in _NO_BODY_METHODS else None
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _SET_HERE]
-        head = request_head(method, url.raw_path, origin.host_header, headers, length)
         timeout = request.extensions.get("timeout") or {}
-        read_timeout = timeout.get("read")
-        loop = asyncio.get_running_loop()
-        resends = 0
-        while True:
-            conn = pool.take_idle(origin, loop)
-            from_pool = conn is not None
-            if conn is None:
-                conn = await pool.connect(origin)
-            conn.head_only = method == "HEAD"
-            try:
-                await conn.exchange(head, body, read_timeout)
-            except UpstreamClosed:
-                conn.close()
-                # Closed before any byte of an answer on a connection taken from the pool: the
-                # replica closed it idle and never read the request (``STALE_RESENDS``).
-                if conn.got_bytes or not stale_resend_allowed(
-                    from_pool, resends, streamed=streamed
-                ):
-                    raise
-                resends += 1
-                self.on_stale_resend()
-                continue
-            except BaseException:
-                conn.close()
-                raise
-            break
+        reply = await self.send(
+            origin,
+            request.method,
+            url.raw_path,
+            request.headers.raw,
+            body,
+            timeout.get("read"),
+            resendable=not streamed,
+        )
         return httpx.Response(
-            status_code=conn.status,
-            headers=conn.headers,
-            stream=RawResponseStream(pool, origin, conn),
+            status_code=reply.status_code,
+            headers=reply.headers.raw,
+            stream=RawResponseStream(reply),
             request=request,
             extensions=_EXTENSIONS,
         )
+
+    async def send(
+        self,
+        origin: Origin,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout: float | None,
+        *,
+        resendable: bool = True,
+    ) -> Reply:
+        """The relay's own send (``h1.H1Pool.send``), without httpx's request and response
+        objects; raises only ``UpstreamError``."""
+        pool = self.pool
+        conn = await pool.send(
+            origin,
+            method,
+            target,
+            headers,
+            body,
+            read_timeout,
+            resendable=resendable,
+            on_stale_resend=self.on_stale_resend,
+        )
+        return Reply(pool, origin, conn)
 
     async def aclose(self) -> None:
         self.pool.close()
         with _mapped(_READING):
             await super().aclose()
-
-
-# Methods whose requests carry no body, so no Content-Length when they have none.
-_NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-# Set by ``request_head`` itself, whatever the request's headers say.
-_SET_HERE = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 
 # -- WebSockets ----------------------------------------------------------------------------------
@@ -391,13 +344,6 @@ async def fetch(
     finally:
         await response.aclose()
     return response
-
-
-def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bool:
-    """Whether a request that met a close or reset before any answer goes out again: only
-    when its connection came from the pool (see ``STALE_RESENDS``) and its body can be sent
-    twice."""
-    return from_pool and not streamed and resends < STALE_RESENDS
 
 
 def make_client(
