@@ -114,6 +114,12 @@ CASES = {
     "a header name uvicorn refuses": ("POST", True, 200, [(b"bad name", b"v")], b"x", True),
     "a header value uvicorn refuses": ("POST", True, 200, [(b"x-a", b"v\nw")], b"x", True),
     "a status with no line": ("POST", True, 700, [SSE], b"x", True),
+    "bytes a name may hold": ("POST", True, 200, [(b"x-\x80!#$%&'*+.^_`|~", b"v")], b"x", True),
+    "a name with a colon": ("POST", True, 200, [SSE, (b"x:y", b"v")], b"x", True),
+    "a name with DEL": ("POST", True, 200, [(b"x\x7f", b"v")], b"x", True),
+    "bytes a value may hold": ("POST", True, 200, [(b"x-a", b"\t\x80\xff ()<>")], b"x", True),
+    "a value with NUL": ("POST", True, 200, [SSE, (b"x-a", b"v\x00")], b"x", True),
+    "a value with CR": ("POST", True, 200, [(b"x-a", b"v\rw")], b"x", True),
 }
 
 

@@ -3,11 +3,11 @@ pass (``proxy/compiled.py``), for the ``START_WITH_BODY`` extension (``edge/conn
 
 uvicorn's ``RequestResponseCycle.send`` is interpreted: a relayed response's start and first
 body went through it twice (the start, then the body), with a regular expression per header
-name and value, at 9 µs a response on this machine. The rules here are that ``send``'s, step
-for step (the status line, each header checked and lowered, Content-Length, chunked framing,
-``Connection: close``, HEAD, 204 and 304); where ``send`` would raise (a header it refuses, a
-status it has no line for, a body longer or shorter than its Content-Length) this returns None
-and the cycle lets ``send`` itself raise.
+name and value. The rules here are ``send``'s, step for step (the status line, each header
+checked and lowered, Content-Length, chunked framing, ``Connection: close``, HEAD, 204 and
+304); where ``send`` would raise (a header it refuses, a status it has no line for, a body
+longer or shorter than its Content-Length) this returns None and the cycle lets ``send``
+itself raise. ``tests/test_head.py`` holds the two to the same bytes and state.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from collections.abc import Iterable
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
+# The bytes uvicorn's expressions take in a header name and a header value, read off them.
+_NAME_BYTES = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
+_VALUE_BYTES = bytes(b for b in range(256) if HEADER_VALUE_RE.search(bytes([b])) is None)
 _CRLF = b"\r\n"
 _SEP = b": "
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -58,11 +61,17 @@ def start_with_body(
     line = STATUS_LINE.get(status)
     if line is None:
         return None
+    every = [*default_headers, *headers]
+    # ``send`` searches each name and each value with an expression that is one character
+    # class: a byte it refuses is left when every byte it takes is deleted, over all the
+    # names (values) joined (sre scans ~10 ns a byte; ``translate`` ~1).
+    if b"".join([name for name, _ in every]).translate(None, _NAME_BYTES):
+        return None
+    if b"".join([value for _, value in every]).translate(None, _VALUE_BYTES):
+        return None
     parts = [line]
     closing = False
-    for name, value in [*default_headers, *headers]:
-        if HEADER_RE.search(name) is not None or HEADER_VALUE_RE.search(value) is not None:
-            return None
+    for name, value in every:
         name = name.lower()
         if name == b"content-length" and chunked is None:
             try:
