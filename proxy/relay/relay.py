@@ -357,7 +357,7 @@ class Relay:
         return found
 
     def _traced_headers(
-        self, call: Call, replica: Replica, origin: Origin, target: bytes
+        self, call: Call, replica: Replica, origin: Origin
     ) -> tuple[Any, list[tuple[bytes, bytes]]]:
         """The attempt's span and its headers with the span's trace context (tracing on)."""
         assert self.tracer is not None
@@ -393,7 +393,7 @@ class Relay:
             try:
                 origin, target = self._target(call, replica)
                 if tracer is not None:
-                    span, headers = self._traced_headers(call, replica, origin, target)
+                    span, headers = self._traced_headers(call, replica, origin)
                 else:
                     headers = self._upstream_headers(call, replica)
                 if call.overhead_s is None:  # arrival to the first send, retries apart

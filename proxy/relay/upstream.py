@@ -16,8 +16,10 @@ another replica may take the request:
     UpstreamClosed        the connection closed or reset after the request was sent
     UpstreamReadTimeout   nothing arrived within the read timeout (the idle watchdog)
 
-A response's body (``RawResponseStream``) is read as the socket gave it, or pumped chunk by
-chunk into the relay's handler (``pump``: the relay's hot path, ``h1.py`` says why).
+The relay sends with ``RelayTransport.send`` and reads a ``reply.Reply``: the body as the
+socket gave it, or pumped chunk by chunk into the relay's handler (``pump``: the relay's hot
+path, ``h1.py`` says why). ``handle_async_request`` wraps the same in httpx's objects for the
+transport's other users (the health loop, tests).
 
 Length: one job, the seam to the HTTP clients: the exception table, the transport and the
 WebSocket wrapper must change together when a library moves.
@@ -122,7 +124,7 @@ def root_cause(exc: BaseException) -> str:
 
 
 class RawResponseStream(httpx.AsyncByteStream):
-    """A response body as the socket delivered it (``h1.Reply``'s), for the httpx users of
+    """A response body as the socket delivered it (a ``reply.Reply``'s), for the httpx users of
     the transport (the health loop, tests): each read returns what arrived since the last,
     never re-sliced; or, pumped (``pump``), each chunk handed to a handler as it arrives."""
 
