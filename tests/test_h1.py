@@ -15,11 +15,11 @@ import pytest
 
 from proxy.errors import UpstreamClosed, UpstreamReadTimeout
 from proxy.relay import h1
-from proxy.relay.h1 import PAUSE
-from proxy.relay.upstream import RawResponseStream, UpstreamClient, pump, timeout_extension
+from proxy.relay.h1 import PAUSE, Handler
+from proxy.relay.upstream import UpstreamClient, timeout_extension
 
 from . import test_upstream
-from .test_upstream import HEAD, listening, raw_server, read_body, send
+from .test_upstream import HEAD, listening, raw_server, read_body, reply_of, send
 
 client = test_upstream.client  # the same fixture: a fresh upstream client per test
 
@@ -50,9 +50,12 @@ async def answering_each_request(answer: bytes) -> AsyncIterator[tuple[str, list
 
 
 def connection_of(response: httpx.Response) -> h1.H1Connection:
-    stream = response.stream
-    assert isinstance(stream, RawResponseStream)
-    return stream.reply.conn
+    return reply_of(response).conn
+
+
+async def pump(response: httpx.Response, handler: Handler) -> bytes | None:
+    """The rest of ``response``'s body handed to ``handler`` (``Reply.pump``, as the relay)."""
+    return await reply_of(response).pump(handler)
 
 
 async def test_a_pumped_body_goes_to_the_handler_in_order_and_a_declined_chunk_comes_back(

@@ -212,7 +212,8 @@ INTERNALS = [
     Internal(
         "httpx",
         "Response(stream=s).stream is s (a transport's stream is not wrapped)",
-        "proxy/relay/relay.py raw_chunks and upstream.at_eof: chunks read as the socket gave them",
+        "proxy/relay/upstream.py RawResponseStream: tests reach the relay's Reply through "
+        "response.stream",
         lambda: _stream_kept(),
     ),
     Internal(

@@ -22,6 +22,7 @@ from proxy.errors import (
 )
 from proxy.policyfile import build_policy
 from proxy.relay import upstream
+from proxy.relay.reply import Reply
 from proxy.relay.upstream import UpstreamClient, make_client, timeout_extension
 
 from .gateway import policy_for
@@ -79,6 +80,13 @@ async def send(client: UpstreamClient, url: str, read: float | None = None) -> h
         extensions={"timeout": timeout_extension(read)},
     )
     return await client.transport.handle_async_request(request)
+
+
+def reply_of(response: httpx.Response) -> Reply:
+    """The ``reply.Reply`` under a response of the transport (what the relay reads)."""
+    stream = response.stream
+    assert isinstance(stream, upstream.RawResponseStream)
+    return stream.reply
 
 
 async def read_body(response: httpx.Response) -> bytes:
@@ -147,7 +155,7 @@ async def test_a_body_cut_short_is_closed_and_its_reader_over(client: UpstreamCl
 
     async with raw_server(cut) as (url, _):
         response = await send(client, url)
-        reads = upstream.raw_chunks(response)
+        reads = reply_of(response).chunks()
         assert await reads.__anext__() == b"data: "
         with pytest.raises(UpstreamClosed):
             await reads.__anext__()
@@ -386,7 +394,7 @@ async def test_a_bodys_reader_ended_never_reads_the_next_request_on_its_connecti
     try:
         async with listening(serve) as url:
             first = await send(c, url)
-            reads = upstream.raw_chunks(first)
+            reads = reply_of(first).chunks()
             assert [chunk async for chunk in reads] == [b"one"]
             await first.aclose()  # its connection back to the pool
             second = await send(c, url)  # on that connection

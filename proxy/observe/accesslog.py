@@ -79,15 +79,12 @@ class BatchedLines(logging.StreamHandler):
         except Exception:
             self.handleError(logging.makeLogRecord({"msg": text, "name": logger.name}))
 
-    def flush_batch(self) -> None:
-        self.flush()
-
 
 def flush_lines(log: logging.Logger = logger) -> None:
     """Write out the lines of the batch just recorded (``outcomes.Outcomes``)."""
     for handler in log.handlers:
         if isinstance(handler, BatchedLines):
-            handler.flush_batch()
+            handler.flush()
 
 
 def _emit(log: logging.Logger, line: str) -> None:

@@ -59,9 +59,9 @@ PAUSE = b""
 # request and died: that is the retry rules' to judge (``relay/retry.py``), not resent here.
 STALE_RESENDS = 3
 # Methods whose requests carry no body, so no Content-Length when they have none.
-NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-# Set by ``request_head`` itself, whatever the request's headers say.
-SET_HERE = frozenset({b"host", b"content-length", b"transfer-encoding"})
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Set by ``request_head`` itself (``without_framing``).
+_SET_HERE = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 
 class H1Connection(asyncio.Protocol):
@@ -357,9 +357,16 @@ class Origin:
 class H1Pool:
     """Idle connections per replica, dropped after ``keepalive_expiry_s`` unused."""
 
-    def __init__(self, *, connect_timeout_s: float, keepalive_expiry_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        keepalive_expiry_s: float,
+        on_stale_resend: Callable[[], None] | None = None,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_expiry_s = keepalive_expiry_s
+        self.on_stale_resend = on_stale_resend  # told of each request sent again (``send``)
         self.origins: dict[tuple[str, bytes, int | None], Origin] = {}
 
     def origin(self, scheme: str, raw_host: bytes, port: int | None) -> Origin:
@@ -415,14 +422,14 @@ class H1Pool:
         read_timeout: float | None,
         *,
         resendable: bool = True,
-        on_stale_resend: Callable[[], None] | None = None,
     ) -> H1Connection:
         """Send a request and read its answer's head: the connection, its status and headers
-        read, its body still to come. Raises only ``UpstreamError``. ``resendable``: the
-        body may go out twice (``STALE_RESENDS``); ``on_stale_resend`` is told each time."""
-        length = len(body) if body or method not in NO_BODY_METHODS else None
-        sent = [(k, v) for k, v in headers if k.lower() not in SET_HERE]
-        head = request_head(method, target, origin.host_header, sent, length)
+        read, its body still to come. Raises only ``UpstreamError``. ``headers`` carry no
+        Host, Content-Length or Transfer-Encoding (``request_head`` sets them; the relay's
+        never hold them, ``without_framing`` takes them off others). ``resendable``: the body
+        may go out twice (``STALE_RESENDS``)."""
+        length = len(body) if body or method not in _NO_BODY_METHODS else None
+        head = request_head(method, target, origin.host_header, headers, length)
         loop = asyncio.get_running_loop()
         resends = 0
         while True:
@@ -442,8 +449,8 @@ class H1Pool:
                 ):
                     raise
                 resends += 1
-                if on_stale_resend is not None:
-                    on_stale_resend()
+                if self.on_stale_resend is not None:
+                    self.on_stale_resend()
                 continue
             except BaseException:
                 conn.close()
@@ -478,6 +485,12 @@ def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bo
     return from_pool and not streamed and resends < STALE_RESENDS
 
 
+def without_framing(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` less Host, Content-Length and Transfer-Encoding: for requests httpx built
+    (the transport's other users, a traced attempt), whose Host ``request_head`` sets anew."""
+    return [(k, v) for k, v in headers if k.lower() not in _SET_HERE]
+
+
 def request_head(
     method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]], length: int | None
 ) -> bytes:
@@ -493,9 +506,7 @@ def request_head(
 
 __all__ = [
     "HIGH_WATER",
-    "NO_BODY_METHODS",
     "PAUSE",
-    "SET_HERE",
     "STALE_RESENDS",
     "H1Connection",
     "H1Pool",
@@ -503,4 +514,5 @@ __all__ = [
     "Origin",
     "request_head",
     "stale_resend_allowed",
+    "without_framing",
 ]

@@ -46,7 +46,7 @@ from proxy.fleet.kv_events import PromptTokens
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Attempt, Call
-from proxy.relay.h1 import Origin
+from proxy.relay.h1 import Origin, without_framing
 from proxy.relay.homes import ResponseHomes
 from proxy.relay.reply import Reply
 from proxy.relay.respond import HOP_BY_HOP, Responder
@@ -60,12 +60,7 @@ from proxy.relay.retry import (
     decide_retry,
     judge,
 )
-from proxy.relay.upstream import (
-    RelayTransport,
-    UpstreamClient,
-    make_client,
-    timeout_extension,
-)
+from proxy.relay.upstream import UpstreamClient, make_client
 from proxy.relay.watchdog import Watchdog
 from proxy.routing.admission import Admission
 from proxy.routing.cache_aware import PreciseFeeds
@@ -132,7 +127,7 @@ class Relay:
         # Requests go to the client's transport directly: AsyncClient.send() adds redirects,
         # auth, cookie extraction and event hooks, none of which a proxy uses, at ~15 % of the
         # gateway's CPU per request.
-        self.transport: RelayTransport = client.transport
+        self.pool = client.transport.pool
         # Where each (replica, path) goes: its pool origin and request target, as httpx.URL
         # reads them, made once (paths with an id in them, and queries, each time).
         self._targets: dict[tuple[str, str], tuple[Origin, bytes]] = {}
@@ -146,7 +141,6 @@ class Relay:
         # A request's 5xx replayed elsewhere (retry.on_5xx_after_send): the replica's verdict
         # waits for the replay's (a 5xx there too makes the request the common factor).
         self._deferred_5xx: dict[Call, Replica] = {}
-        self._timeouts: dict[tuple[str, bool], dict[str, float | None]] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
         self.picker = Picker(fleet, admission, metrics, policy, self.rng, share_placement, feeds)
         self.prompt_tokens = prompt_tokens
@@ -157,10 +151,10 @@ class Relay:
             fleet=fleet,
             metrics=metrics,
             policy=policy,
-            transport=self.transport,
+            pool=self.pool,
             pick=self.try_pick,
             canary_coming=self.picker.canary_coming,
-            timeout=self._timeout,
+            read_timeout=self._read_timeout,
             response_start=self.responder.response_start,
             send_start=self.responder.send_start,
             end_with_error=self.responder.end_stream_with_error,
@@ -318,17 +312,6 @@ class Relay:
         count; rare enough that counting them when asked is cheaper than tracking)."""
         return sum(1 for c in self.retrying if not c.started)
 
-    def _timeout(self, lane: LaneConfig, stream: bool) -> dict[str, float | None]:
-        """The request's timeout extension. A stream's idle watchdog is the socket read
-        timeout; a plain response arrives whole at the end of generation, so it has none (a
-        stalled replica is ended by its ejection)."""
-        read = lane.stream_idle_timeout_s if stream else None
-        key = (lane.name, stream)
-        t = self._timeouts.get(key)
-        if t is None or t["read"] != read:
-            t = self._timeouts[key] = timeout_extension(read)
-        return t
-
     def _upstream_headers(self, call: Call, replica: Replica) -> list[tuple[bytes, bytes]]:
         headers = list(call.headers)
         headers.append((b"x-request-id", call.request_id.encode()))
@@ -338,7 +321,9 @@ class Relay:
 
     @staticmethod
     def _read_timeout(lane: LaneConfig, stream: bool) -> float | None:
-        """As ``_timeout``'s read: a stream's idle watchdog; none for a plain response."""
+        """The socket read timeout: a stream's idle watchdog. A plain response arrives whole
+        at the end of generation, so it has none (a stalled replica is ended by its
+        ejection)."""
         return lane.stream_idle_timeout_s if stream else None
 
     def _target(self, call: Call, replica: Replica) -> tuple[Origin, bytes]:
@@ -351,7 +336,7 @@ class Relay:
             url = httpx.URL(replica.url + call.path)
         else:
             url = httpx.URL(replica.url + call.path + "?" + query_text(call.query))
-        found = (self.transport.pool.origin(url.scheme, url.raw_host, url.port), url.raw_path)
+        found = (self.pool.origin(url.scheme, url.raw_host, url.port), url.raw_path)
         if not call.query and call.pinned is None:  # not a path with an id in it: one of a few
             self._targets[key] = found
         return found
@@ -367,7 +352,7 @@ class Relay:
             call.method, f"{scheme}://{host}", headers=self._upstream_headers(call, replica)
         )
         span = self.tracer.attempt_started(call, replica, request)
-        return span, request.headers.raw
+        return span, without_framing(request.headers.raw)
 
     async def _attempt(self, call: Call, replica: Replica, send: Send, deadline: float) -> None:
         """One attempt on ``replica``. ``deadline`` (event loop time) is the request's: a
@@ -412,7 +397,7 @@ class Relay:
                         fire_at = deadline
                 watchdog = Watchdog(loop, fire_at)
                 try:
-                    response = await self.transport.send(
+                    conn = await self.pool.send(
                         origin,
                         call.method,
                         target,
@@ -420,6 +405,7 @@ class Relay:
                         call.body,
                         self._read_timeout(call.lane, call.stream),
                     )
+                    response = Reply(self.pool, origin, conn)
                     attempt.phase = Phase.HELD
                     await self._relay_response(call, attempt, response, send, watchdog)
                 except asyncio.CancelledError:

@@ -293,7 +293,7 @@ class Responder:
 
 class StreamFlow:
     """A started stream's pace and its client writer, shared by the relay's loop and the
-    handler the upstream connection calls with each chunk (``upstream.pump``): whether content
+    handler the upstream connection calls with each chunk (``Reply.pump``): whether content
     was sent and when the last was, and the server's ``DIRECT_BODY`` writer once the response
     has started (None: the handler hands every chunk back, to go out as an ASGI message).
     Subclasses are the handlers (``__call__``)."""

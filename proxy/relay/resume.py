@@ -36,12 +36,11 @@ from proxy.observe.tracing import Tracer
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 from proxy.relay.call import Attempt, Call
-from proxy.relay.h1 import PAUSE
+from proxy.relay.h1 import PAUSE, H1Pool, without_framing
 from proxy.relay.reply import Reply
 from proxy.relay.reprefill import Reprefills, Slot
 from proxy.relay.respond import StreamFlow
 from proxy.relay.retry import Phase
-from proxy.relay.upstream import RelayTransport
 from proxy.relay.watchdog import Watchdog
 from proxy.routing.admission import Admission
 from proxy.routing.pick import CANARY_POLL_S
@@ -64,10 +63,10 @@ class Resumer:
         fleet: Fleet,
         metrics: Metrics,
         policy: Callable[[], Policy],
-        transport: RelayTransport,
+        pool: H1Pool,
         pick: Callable[[Call], Replica | None],
         canary_coming: Callable[[Call], bool],
-        timeout: Callable[[LaneConfig, bool], dict[str, float | None]],
+        read_timeout: Callable[[LaneConfig, bool], float | None],
         response_start: Callable[[Call, Reply, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
@@ -77,12 +76,12 @@ class Resumer:
         self.fleet = fleet
         self.metrics = metrics
         self.policy = policy
-        self.transport = transport
+        self.pool = pool
         self.pick = pick  # the relay's choice of a replica for a request (``Relay.try_pick``)
         # For a call with no target: probes the ejected it could take, then says whether one is
         # on its canary (``Picker.canary_coming``).
         self.canary_coming = canary_coming
-        self.timeout = timeout
+        self.read_timeout = read_timeout
         self.response_start = response_start
         self.send_start = send_start
         self.end_with_error = end_with_error
@@ -440,15 +439,17 @@ class Resumer:
                 seam = len(sp.seams)
                 request = httpx.Request("POST", url, headers=headers)
                 spans.append(self.tracer.attempt_started(call, target, request, continuation=seam))
-                headers = request.headers.raw
-            resp = await self.transport.send(
-                self.transport.pool.origin(url.scheme, url.raw_host, url.port),
+                headers = without_framing(request.headers.raw)
+            origin = self.pool.origin(url.scheme, url.raw_host, url.port)
+            conn = await self.pool.send(
+                origin,
                 "POST",
                 url.raw_path,
                 headers,
                 json.dumps(body).encode(),
-                self.timeout(call.lane, True)["read"],
+                self.read_timeout(call.lane, True),
             )
+            resp = Reply(self.pool, origin, conn)
             holder.append(resp)
             if resp.status_code != 200:
                 raise AttemptFault(Fault.STATUS_5XX, f"{name} answered {resp.status_code}")

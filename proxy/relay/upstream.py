@@ -16,10 +16,10 @@ another replica may take the request:
     UpstreamClosed        the connection closed or reset after the request was sent
     UpstreamReadTimeout   nothing arrived within the read timeout (the idle watchdog)
 
-The relay sends with ``RelayTransport.send`` and reads a ``reply.Reply``: the body as the
-socket gave it, or pumped chunk by chunk into the relay's handler (``pump``: the relay's hot
-path, ``h1.py`` says why). ``handle_async_request`` wraps the same in httpx's objects for the
-transport's other users (the health loop, tests).
+The relay sends over the transport's pool (``h1.H1Pool.send``) and reads a ``reply.Reply``:
+the body as the socket gave it, or pumped chunk by chunk into the relay's handler (``pump``:
+the relay's hot path, ``h1.py`` says why). ``handle_async_request`` wraps the same in httpx's
+objects for the transport's other users (the health loop, tests).
 
 Length: one job, the seam to the HTTP clients: the exception table, the transport and the
 WebSocket wrapper must change together when a library moves.
@@ -45,7 +45,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
-from proxy.relay.h1 import STALE_RESENDS, H1Pool, Handler, Origin, stale_resend_allowed
+from proxy.relay.h1 import STALE_RESENDS, H1Pool, stale_resend_allowed, without_framing
 from proxy.relay.reply import Reply
 
 if TYPE_CHECKING:
@@ -124,9 +124,9 @@ def root_cause(exc: BaseException) -> str:
 
 
 class RawResponseStream(httpx.AsyncByteStream):
-    """A response body as the socket delivered it (a ``reply.Reply``'s), for the httpx users of
-    the transport (the health loop, tests): each read returns what arrived since the last,
-    never re-sliced; or, pumped (``pump``), each chunk handed to a handler as it arrives."""
+    """A ``reply.Reply``'s body for the httpx users of the transport (the health loop, tests):
+    each read returns what arrived since the last, never re-sliced. ``reply`` is the answer
+    itself (its ``pump``, ``at_eof``)."""
 
     __slots__ = ("reply",)
 
@@ -135,14 +135,6 @@ class RawResponseStream(httpx.AsyncByteStream):
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self.reply.chunks()
-
-    async def pump(self, handler: Handler) -> bytes | None:
-        """``H1Connection.pump``: None at the body's end, else what the handler returned."""
-        return await self.reply.pump(handler)
-
-    def at_eof(self) -> bool:
-        """Everything the replica sent has been read: the last read held the end too."""
-        return self.reply.at_eof()
 
     async def aclose(self) -> None:
         await self.reply.aclose()
@@ -156,9 +148,11 @@ class RelayTransport(AiohttpTransport):
 
     def __init__(self, *, on_stale_resend: Callable[[], None] = lambda: None, **kw: Any) -> None:
         super().__init__(**kw)
-        self.on_stale_resend = on_stale_resend
+        # The relay sends over the pool itself (``H1Pool.send``, read as a ``reply.Reply``).
         self.pool = H1Pool(
-            connect_timeout_s=CONNECT_TIMEOUT_S, keepalive_expiry_s=KEEPALIVE_EXPIRY_S
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            keepalive_expiry_s=KEEPALIVE_EXPIRY_S,
+            on_stale_resend=on_stale_resend,
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -173,15 +167,17 @@ class RelayTransport(AiohttpTransport):
         else:
             body = b"".join(stream)  # type: ignore[arg-type]  # a ByteStream is both kinds
         timeout = request.extensions.get("timeout") or {}
-        reply = await self.send(
+        pool = self.pool
+        conn = await pool.send(
             origin,
             request.method,
             url.raw_path,
-            request.headers.raw,
+            without_framing(request.headers.raw),
             body,
             timeout.get("read"),
             resendable=not streamed,
         )
+        reply = Reply(pool, origin, conn)
         return httpx.Response(
             status_code=reply.status_code,
             headers=reply.headers.raw,
@@ -189,32 +185,6 @@ class RelayTransport(AiohttpTransport):
             request=request,
             extensions=_EXTENSIONS,
         )
-
-    async def send(
-        self,
-        origin: Origin,
-        method: str,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        read_timeout: float | None,
-        *,
-        resendable: bool = True,
-    ) -> Reply:
-        """The relay's own send (``h1.H1Pool.send``), without httpx's request and response
-        objects; raises only ``UpstreamError``."""
-        pool = self.pool
-        conn = await pool.send(
-            origin,
-            method,
-            target,
-            headers,
-            body,
-            read_timeout,
-            resendable=resendable,
-            on_stale_resend=self.on_stale_resend,
-        )
-        return Reply(pool, origin, conn)
 
     async def aclose(self) -> None:
         self.pool.close()
@@ -410,28 +380,6 @@ def timeout_extension(read: float | None) -> dict[str, float | None]:
     ).as_dict()
 
 
-def at_eof(response: httpx.Response) -> bool:
-    """Whether everything the replica sent for ``response`` has been read already."""
-    stream = response.stream
-    return isinstance(stream, RawResponseStream) and stream.at_eof()
-
-
-def raw_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The response body as the transport reads it: ``aiter_raw()`` without its per-chunk
-    re-chunking and byte counting (the relay's finally closes the response)."""
-    stream = response.stream
-    assert isinstance(stream, httpx.AsyncByteStream)
-    return stream.__aiter__()
-
-
-async def pump(response: httpx.Response, handler: Handler) -> bytes | None:
-    """Hand the rest of ``response``'s body to ``handler`` chunk by chunk (``H1Connection.pump``:
-    None at the end, else what the handler returned)."""
-    stream = response.stream
-    assert isinstance(stream, RawResponseStream), "every response comes from RelayTransport"
-    return await stream.pump(handler)
-
-
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "KEEPALIVE_EXPIRY_S",
@@ -440,10 +388,7 @@ __all__ = [
     "RawResponseStream",
     "RelayTransport",
     "UpstreamClient",
-    "at_eof",
     "make_client",
-    "pump",
-    "raw_chunks",
     "root_cause",
     "stale_resend_allowed",
     "timeout_extension",
