@@ -35,6 +35,7 @@ from proxy.relay.continuation import (
     strip_ids,
 )
 from proxy.relay.reprefill import Reprefills, has_room
+from proxy.relay.resume import FIRST_CONTENT_ALONE_UP_TO, first_content_alone
 
 from .gateway import (
     a_call,
@@ -635,12 +636,17 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
     assert not probing(set())  # a dead replica probes for ever: not worth the wait
 
 
-async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest_at_once() -> None:
+@pytest.mark.parametrize("others", [0, 2, 3])
+async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest_at_once(
+    others: int,
+) -> None:
     """Continuation on, a 64-token stream that comes in one read (as the overhead benchmark's
-    mock sends it): the response start carries the events up to the first content (the role
-    chunk and the first token), sent before the rest is read; the rest and the body's end
-    follow in one message (one socket write under the gateway's server); the ids are
-    hidden."""
+    mock sends it). With few requests in flight, the response start carries the events up to
+    the first content (the role chunk and the first token), sent before the rest is read; the
+    rest and the body's end follow in one message (one socket write under the gateway's
+    server). With more in flight (``first_content_alone``), the whole read goes in the start.
+    Either way every event arrives once, in order, the ids hidden."""
+    assert first_content_alone(1 + others) == (1 + others <= FIRST_CONTENT_ALONE_UP_TO)
     async with (
         running() as up,
         running_gateway(policy_for({"p": [up.url]}, continuation={"enabled": True})) as (_, app),
@@ -664,21 +670,38 @@ async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest
             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
             "extensions": {START_WITH_BODY: {}, CLIENT_GONE: ClientGoneHook()},
         }  # fmt: skip
-        await app(scope, receive, send)
+        # Requests of others in flight, as the relay counts them.
+        live: set[Any] = app.gateway.relay.live
+        placeholders = [object() for _ in range(others)]
+        live.update(placeholders)
+        try:
+            await app(scope, receive, send)
+        finally:
+            live.difference_update(placeholders)
         # Eligible: asked for the ids, the client's bytes otherwise as they came.
         assert up.stats.raw_bodies[-1] == body[:-1] + b',"return_token_ids":true}'
-    start, rest = sent
-    assert start["type"] == "http.response.start" and start[START_MORE_BODY] is True
-    first = data_events(start[START_BODY].decode())
-    assert [e["choices"][0]["delta"] for e in first] == [
-        {"role": "assistant", "content": ""},
-        {"content": " tok0"},
-    ]
-    assert rest["type"] == "http.response.body" and rest["more_body"] is False
-    events = data_events(rest["body"].decode())
+    start = sent[0]
+    assert start["type"] == "http.response.start"
+    if first_content_alone(1 + others):
+        assert len(sent) == 2 and start[START_MORE_BODY] is True
+        first = data_events(start[START_BODY].decode())
+        assert [e["choices"][0]["delta"] for e in first] == [
+            {"role": "assistant", "content": ""},
+            {"content": " tok0"},
+        ]
+        rest = sent[1]
+        assert rest["type"] == "http.response.body" and rest["more_body"] is False
+        whole = start[START_BODY] + rest["body"]
+    else:
+        assert len(sent) == 1 and start[START_MORE_BODY] is False
+        whole = start[START_BODY]
+    events = data_events(whole.decode())
     assert events[-1] == "[DONE]"
-    assert sum(1 for e in events[:-1] if e["choices"]) == 64  # 63 tokens, the finish
-    assert b'"token_ids":[' not in start[START_BODY] + rest["body"]
+    assert [e["choices"][0]["delta"].get("content") for e in events[:65]] == (
+        [""] + [f" tok{i}" for i in range(64)]
+    )  # the role chunk, then 64 tokens in order
+    assert events[65]["choices"][0]["finish_reason"] is not None and len(events) == 67
+    assert b'"token_ids":[' not in whole
 
 
 async def test_a_continuation_answered_in_one_write_reaches_the_client_whole(

@@ -158,6 +158,7 @@ class Relay:
             response_start=self.responder.response_start,
             send_start=self.responder.send_start,
             end_with_error=self.responder.end_stream_with_error,
+            live=self.live,
             tracer=tracer,
         )
 

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -53,6 +53,23 @@ if TYPE_CHECKING:
 now = time.monotonic
 
 
+# With more requests than this in flight, a read's first content goes out with the rest of
+# the read (see ``first_content_alone``).
+FIRST_CONTENT_ALONE_UP_TO = 2
+
+
+def first_content_alone(live: int) -> bool:
+    """Whether a read that holds a stream's first content and more events (a burst) sends
+    that content to the client before taking the rest (two writes), or all of it at once.
+
+    Alone, the first token does not wait for the rest of the read (0.7-1 µs an event, a
+    64-token burst ~50 µs) but costs the request a second write and its send (~40 µs on the
+    2-core machine, ``docs/benchmarks.md``). With ``live`` (this process's requests being
+    relayed or queued) above a couple, the event loop has other work queued ahead of that
+    second write anyway and the CPU is what is short: one write."""
+    return live <= FIRST_CONTENT_ALONE_UP_TO
+
+
 class Resumer:
     """Relays eligible streams and continues them; its dependencies are the relay's parts."""
 
@@ -70,6 +87,7 @@ class Resumer:
         response_start: Callable[[Call, Reply, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
+        live: Collection[Call] = (),
         tracer: Tracer | None = None,
     ) -> None:
         self.admission = admission
@@ -85,6 +103,7 @@ class Resumer:
         self.response_start = response_start
         self.send_start = send_start
         self.end_with_error = end_with_error
+        self.live = live  # this process's requests being relayed (``first_content_alone``)
         self.tracer = tracer  # None: tracing off; else each continuation is a CLIENT span
         # Continuations between their start and first token; with workers, counted serve-wide.
         self.reprefills = Reprefills(admission.ledger)
@@ -127,6 +146,7 @@ class Resumer:
         # Ordinary token chunks after the start are relayed from the connection's callback;
         # this loop sees the rest (``_TokenRelay``). ``flow`` holds what both share.
         flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
+        alone = first_content_alone(len(self.live))
         try:
             async for chunk in flow.handed_back(response):
                 attempt.last_progress = now()
@@ -148,7 +168,7 @@ class Resumer:
                         if (token := sp.take_event(ev, strip)) is not None:  # several in a read
                             out.append(token[0])
                             content = content or token[1]
-                            if not call.started:
+                            if not call.started and (alone or not content):
                                 if content:
                                     break  # the first content goes out before the rest
                                 continue
@@ -198,10 +218,10 @@ class Resumer:
                         relayed, has_content = _noted(call, sp, ev, obj, strip)
                         out.append(relayed)
                         content = content or has_content
-                        if content and not call.started:
+                        if content and not call.started and alone:
                             # The first content goes out now, the rest of the read after it
-                            # (``EventBuffer.reads``): a burst's other 64 events cost
-                            # 100-150 µs, which the first token does not wait for.
+                            # (``EventBuffer.reads``), unless other requests are in flight
+                            # (``first_content_alone``).
                             break
                 if not call.started:
                     held += out
