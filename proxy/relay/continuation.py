@@ -451,28 +451,44 @@ class Splice:
         whether it holds text). None when it is not one (a read that stops short of its
         ``\\n\\n`` is not: its end may still come): it is to be parsed.
 
-        One frame of bytes methods, no call per check: it runs for every token, in the
-        upstream connection's callback, where a call costs several times what it does in a
-        micro-benchmark (``Splice`` docstring)."""
+        Indexing, slices and comparisons, which compiled code does itself, rather than
+        ``find``/``startswith`` with a position, each a method call whose arguments Python
+        3.11 parses through a format string: it runs for every token, in the upstream
+        connection's callback, between system calls that leave the caches cold, where the
+        calls measured 2.8 µs a chunk (median) against 0.65 µs in a loop
+        (``docs/benchmarks.md``)."""
         head = self.head
         if head is None or not chunk.endswith(_TOKEN_CHUNK_END) or not chunk.startswith(head):
             return None
-        h = len(head)
-        # The text's closing quote is the first quote after the head, and the tail starts
-        # there: a text holding a quote (escaped) is parsed, as is one ending in a backslash
-        # (its closing quote could be an escaped one). The tail ends in "[", so it cannot
-        # reach into the end's "]}]}": the ids are what lies between.
-        t = chunk.find(b'"', h)
+        # The ids' list, read back from its "]" to its "[": digits and commas.
+        i = len(chunk) - 7
+        c = chunk[i]
+        one = True  # no comma: one id (or none)
+        while 0x30 <= c <= 0x39 or c == 0x2C:
+            one = one and c != 0x2C
+            i -= 1
+            c = chunk[i]
+        # Before the "[", the tail (which ends in it); before the tail, the text from the
+        # head's end: no quote in it (a text holding one, escaped, is parsed), and not ending
+        # in a backslash (its closing quote could be an escaped one).
         tail = self.tail
-        if t < 0 or not chunk.startswith(tail, t) or (t > h and chunk[t - 1] == 0x5C):
+        h = len(head)
+        t = i + 1 - len(tail)
+        if c != 0x5B or t < h or chunk[t : i + 1] != tail:
             return None
-        opens = t + len(tail)
-        raw = chunk[opens:-6]
-        if raw:
-            # One id (``plain_ids``'s rule for one, spelled out: the common case), or several;
-            # anything else, such as the rest of a second event in the read, is parsed.
-            one = raw.isdigit() and len(raw) <= 18 and (raw[0] != 0x30 or len(raw) == 1)
-            if not one and not plain_ids(raw):
+        k = h
+        while k < t:
+            if chunk[k] == 0x22:
+                return None
+            k += 1
+        if t > h and chunk[t - 1] == 0x5C:
+            return None
+        n = len(chunk) - 7 - i
+        if n:
+            raw = chunk[i + 1 : i + 1 + n]
+            # One plain id (``plain_ids``'s rule for one, spelled out: the common case), or
+            # several checked by the expression.
+            if not (one and n <= 18 and (n == 1 or raw[0] != 0x30)) and not plain_ids(raw):
                 return None
             self.lists.append(raw)
         text = t > h
@@ -480,7 +496,7 @@ class Splice:
             self.reasoning_open = False
             self.shown = len(self.lists)
         if strip:
-            return chunk[: opens - 1] + _NULLED_END, text
+            return chunk[:i] + _NULLED_END, text
         return chunk, text
 
     def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
@@ -493,34 +509,38 @@ class Splice:
         go to the client, ``\\n\\n`` ended and ids nulled when ``strip``; where they end). None
         when the event at ``start`` is not one.
 
-        ``take_chunk``'s checks in one loop, without a call or a result per event: 64 token
-        chunks in a read cost 65-80 % of what they cost one by one (``loadtest/bench_parse.py``),
+        ``take_chunk``'s checks in one loop, without a call or a result per event: an event
+        of a read of 64 costs 0.3 µs against 0.8 µs one by one (``loadtest/bench_parse.py``),
         their ids one noted list."""
         head = self.head
         if head is None or not data.startswith(head, start):
             return None
         h = len(head)
-        after_quote = self.tail[1:]  # the tail opens with the quote that ends the text
-        a = len(after_quote)
+        tail = self.tail
+        a = len(tail) - 1  # the tail up to its "[" (the ids' list's opening)
         kept: list[bytes] = []  # each event up to its ids' list, "[" excluded
         lists: list[bytes] = []  # the bytes inside each ids' list
-        stop = start  # where the run ends in ``data``
-        # Split once, then slices and comparisons: Python 3.11 parses the arguments of
-        # ``find``/``startswith`` with a start position through a format string, five calls an
-        # event; this is a quarter cheaper a run (``tests/test_token_event.py`` holds the two
-        # ways to the same result, ``docs/benchmarks.md`` the figures).
-        events = (data[start:] if start else data).split(b"\n\n")
-        events.pop()  # what follows the last complete event
-        for event in events:
-            if event[:h] != head or event[-4:] != _TOKEN_END:
+        stop = start  # where the run ends in ``data``: an event's start
+        n = len(data)
+        # Indexing, slices and comparisons, which compiled code does itself (``take_chunk``):
+        # a method call with a position costs a format string's parse in Python 3.11, and
+        # splitting the read first costs more than the events' checks (``docs/benchmarks.md``).
+        while data[stop : stop + h] == head:
+            # The text, up to the first quote: not empty, not ending in a backslash.
+            k = stop + h
+            while k < n and data[k] != 0x22:
+                k += 1
+            if k >= n or k == stop + h or data[k - 1] == 0x5C or data[k : k + a + 1] != tail:
                 break
-            # Text, with no quote and no backslash at its end, then the tail (``take_chunk``).
-            text, quote, rest = event[h:].partition(b'"')
-            if not quote or not text or text[-1] == 0x5C or rest[:a] != after_quote:
+            # The ids: digits and commas, then the event's end.
+            j = k + a + 1
+            while j < n and (0x30 <= data[j] <= 0x39 or data[j] == 0x2C):
+                j += 1
+            if data[j : j + 6] != _TOKEN_CHUNK_END:
                 break
-            lists.append(rest[a:-4])
-            kept.append(event[: h + len(text) + a])
-            stop += len(event) + 2
+            lists.append(data[k + a + 1 : j])
+            kept.append(data[stop : k + a])
+            stop = j + 6
         if not kept:
             return None
         ids = b",".join(filter(None, lists))
