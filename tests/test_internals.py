@@ -293,7 +293,7 @@ INTERNALS = [
         "uvicorn",
         "RequestResponseCycle .response_started, .chunked_encoding, .flow (FlowControl: "
         ".write_paused, drain()), and send() framing a chunk as b'%x\\r\\n' + body + b'\\r\\n'",
-        "proxy/edge/connection.py CoalescingCycle.direct/write_body/drain (DIRECT_BODY): a "
+        "proxy/edge/head.py DirectBody.direct/write_body/drain (DIRECT_BODY): a "
         "started stream's chunks written from the upstream connection's callback",
         lambda: (
             (

@@ -51,7 +51,7 @@ from proxy.edge.bounds import (
     on_timer,
     refusal_answer,
 )
-from proxy.edge.head import start_with_body
+from proxy.edge.head import DirectBody, start_with_body
 from proxy.errors import HeadRefused
 from proxy.observe.metrics import Metrics
 
@@ -151,28 +151,6 @@ class CoalescingCycle(RequestResponseCycle):
             self.transport = transport
         if not self.disconnected:
             capture.flush()
-
-    # -- DIRECT_BODY (``asgi_ext.BodyWriter``) ---------------------------------------------
-
-    def direct(self) -> bool:
-        return (
-            self.response_started
-            and not self.response_complete
-            and self.chunked_encoding is True
-            and self.scope["method"] != "HEAD"
-        )
-
-    def write_body(self, data: bytes) -> bool:
-        # uvicorn's send for this one case: a chunk of a chunked body, more to come. A client
-        # gone already is skipped as send skips it (its relay is being cancelled).
-        if self.disconnected:
-            return True
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return not self.flow.write_paused
-
-    async def drain(self) -> None:
-        if not self.disconnected:
-            await self.flow.drain()
 
 
 class Edge:
@@ -390,7 +368,11 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             cycle.__class__ = CoalescingCycle
         if type(cycle) is CoalescingCycle:
             hook = ClientGoneHook()
-            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: cycle}
+            ours = {
+                START_WITH_BODY: _NO_OPTIONS,
+                CLIENT_GONE: hook,
+                DIRECT_BODY: DirectBody(cycle),
+            }
             theirs = self.scope.get("extensions")
             self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
             # Every request of the connection not answered yet: with pipelining, the one

@@ -1,5 +1,6 @@
 """A response's start and first body as uvicorn's httptools cycle writes them, in one compiled
-pass (``proxy/compiled.py``), for the ``START_WITH_BODY`` extension (``edge/connection.py``).
+pass (``proxy/compiled.py``), for the ``START_WITH_BODY`` extension (``edge/connection.py``);
+and its further chunks, for the ``DIRECT_BODY`` extension (``DirectBody``).
 
 uvicorn's ``RequestResponseCycle.send`` is interpreted: a relayed response's start and first
 body went through it twice (the start, then the body), with a regular expression per header
@@ -14,7 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    RequestResponseCycle,
+)
 
 # The bytes uvicorn's expressions take in a header name and a header value, read off them.
 _NAME_BYTES = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
@@ -112,3 +118,42 @@ def start_with_body(
 
 
 __all__ = ["Start", "start_with_body"]
+
+
+class DirectBody:
+    """A cycle's ``DIRECT_BODY`` writer (``asgi_ext.BodyWriter``): a started stream's chunks,
+    written from the upstream connection's callback, framed as uvicorn's ``send`` frames a
+    chunk of a chunked body with more to come.
+
+    Compiled, apart from the cycle: written as the cycle's own interpreted methods, the
+    write measured ~2.5 µs of interpreted code a relayed chunk in the gateway (the callback
+    runs between system calls that leave the caches cold), as much as the chunk's other
+    Python together (``docs/benchmarks.md``). The cycle's attributes are read at each call:
+    the transport is swapped while ``CoalescingCycle.send`` collects a message's writes."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+
+    def direct(self) -> bool:
+        cycle = self.cycle
+        return (
+            cycle.response_started
+            and not cycle.response_complete
+            and cycle.chunked_encoding is True
+            and cycle.scope["method"] != "HEAD"
+        )
+
+    def write_body(self, data: bytes) -> bool:
+        # A client gone already is skipped as send skips it (its relay is being cancelled).
+        cycle = self.cycle
+        if cycle.disconnected:
+            return True
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        cycle = self.cycle
+        if not cycle.disconnected:
+            await cycle.flow.drain()
