@@ -204,8 +204,10 @@ async def paced_run(port: int | list[int], streams: int, pid: int | None) -> dic
         c.record_arrivals = True
         c.arrivals = []
     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    user0 = tree_cpu_seconds(pid, user_only=True) if pid else 0.0
     await asyncio.gather(*(c.send(payload) for c in clients))
     cpu = (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
+    user = (tree_cpu_seconds(pid, user_only=True) - user0) if pid else 0.0
     gaps: list[float] = []
     chunks = 0
     for c in clients:
@@ -221,6 +223,7 @@ async def paced_run(port: int | list[int], streams: int, pid: int | None) -> dic
         "itl_max_ms": gaps[-1],
         # Each stream is 64 tokens plus role, finish and [DONE] chunks relayed.
         "cpu_us_per_chunk": 1e6 * cpu / (streams * 67) if pid else 0.0,
+        "user_us_per_chunk": 1e6 * user / (streams * 67) if pid else 0.0,
         "chunks_seen": chunks,
     }
 

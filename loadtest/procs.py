@@ -107,10 +107,13 @@ def process(
         stop(proc, grace_s)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used so far, from /proc/<pid>/stat."""
+def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
+    """User + system CPU time the process has used so far, from /proc/<pid>/stat
+    (``user_only``: user time alone)."""
     # The command name (field 2) may hold spaces; the fields after its closing ")" do not.
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    if user_only:
+        return int(fields[11]) / CLK_TCK  # utime
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
@@ -128,14 +131,17 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_seconds(pid: int) -> float:
+def tree_cpu_seconds(pid: int, *, user_only: bool = False) -> float:
     """CPU time of ``pid`` and every live descendant (a supervisor's workers, nginx's), plus
-    what its children that already exited used (cutime + cstime)."""
+    what its children that already exited used (cutime + cstime). ``user_only``: user time
+    alone (utime, cutime), without the kernel's share, whose network stack is the same for
+    every gateway and the noisiest part of the figure."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = sum(int(f) for f in fields[11:15]) / CLK_TCK
+    ticks = [int(f) for f in fields[11:15]]
+    total = (ticks[0] + ticks[2] if user_only else sum(ticks)) / CLK_TCK
     for child in descendants(pid):
         with contextlib.suppress(OSError):
-            total += cpu_seconds(child)
+            total += cpu_seconds(child, user_only=user_only)
     return total
 
 

@@ -735,6 +735,40 @@ async def test_an_error_after_the_first_token_in_the_same_read_is_continued(
     assert _text(got) == " tok0 tok1 c1 c2 c3"
 
 
+async def test_a_busy_gateway_retries_an_error_after_the_first_token_in_the_same_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With other requests in flight the whole first read is taken before anything is sent
+    (``first_content_alone``): an in-stream error after the first token in that read is met
+    before the client has bytes, so the request is retried from its start on the other
+    replica, and the client gets that replica's stream alone, whole."""
+    error = b'data: {"error":{"message":"engine died","type":"Error","param":null,"code":500}}'
+    whole = fake.stream_events(5, token_ids=True)
+    answers = [[*whole[:3], error + b"\n\n"], whole]  # role, 2 tokens, error; then all of it
+    monkeypatch.setattr(fake, "stream_events", lambda *a, **k: answers.pop(0))
+    async with running() as a, running() as b:
+        policy = policy_for(
+            {"a": [a.url], "b": [b.url]},
+            lanes=[{"name": "all", "pool": "a", "spill_to": "b"}],
+            continuation={"enabled": True},
+        )
+        async with running_gateway(policy) as (url, app), httpx.AsyncClient(timeout=30) as client:
+            live: set[Any] = app.gateway.relay.live
+            placeholders = [object() for _ in range(FIRST_CONTENT_ALONE_UP_TO)]
+            live.update(placeholders)
+            try:
+                body = {"model": MODEL, "messages": MSGS, "stream": True, "max_tokens": 5}
+                got = data_events((await client.post(url + "/v1/chat/completions", json=body)).text)
+            finally:
+                live.difference_update(placeholders)
+    assert not answers  # both replicas answered
+    chats = [x for x in b.stats.bodies if x.get("messages") == MSGS]
+    assert len(chats) == 1  # the request itself, from its start: no continuation on b
+    assert not any(isinstance(x.get("prompt"), list) for x in b.stats.bodies)
+    assert got[-1] == "[DONE]" and not any("error" in e for e in got if isinstance(e, dict))
+    assert _text(got) == "".join(f" tok{i}" for i in range(5))
+
+
 def _three_tokens_and_the_end() -> list[bytes]:
     """A continuation's answer: " c1 c2 c3", the finish, [DONE]."""
     tokens = [_completion(f" c{i}", [2000 + i]) for i in (1, 2, 3)]
