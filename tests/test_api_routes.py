@@ -87,6 +87,15 @@ async def test_a_preflight_is_answered_only_when_cors_is_configured() -> None:
                 )
                 assert resp.status_code == 200
                 assert resp.headers["access-control-allow-origin"] == "*"
+                # A stream's start too: the middleware's send takes it, not the server's writer.
+                resp = await client.post(
+                    url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "stream": True},
+                    headers={"origin": "https://app.example"},
+                )  # fmt: skip
+                assert resp.status_code == 200 and "data: [DONE]" in resp.text
+                assert resp.headers["access-control-allow-origin"] == "*"
         policy = policy_for({"p": [up.url]}, server={"cors_allowed_origins": ["https://a.example"]})
         async with running_gateway(policy) as (url, _):
             async with httpx.AsyncClient(timeout=10) as client:

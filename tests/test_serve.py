@@ -607,3 +607,51 @@ async def test_direct_body_writes_what_send_would_and_only_when_it_may(
         check_framing(answer, framing, whole)
     # Only a chunked body is written directly: with a Content-Length, send keeps the count.
     assert seen == [False, framing == "chunked", False] * 2
+
+
+@pytest.mark.parametrize("more_body", [True, False])
+@pytest.mark.parametrize("framing", FRAMINGS)
+async def test_the_direct_start_is_the_response_send_writes_and_only_for_the_servers_send(
+    framing: str, more_body: bool
+) -> None:
+    """``DIRECT_BODY``'s ``start`` writes the start and first body as the cycle's ``send``
+    does, on a kept connection; it refuses (writing nothing) a ``send`` that is not the
+    server's own, such as a middleware's wrapper, which ``send`` then takes."""
+    rest = [b"data: b\n\n"] if more_body else []
+    whole = b"data: a\n\n" + b"".join(rest)
+    used: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        writer = scope["extensions"][DIRECT_BODY]
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": framing_headers(framing, len(whole)),
+            START_BODY: b"data: a\n\n",
+            START_MORE_BODY: more_body,
+        }
+        how = scope["path"]
+
+        async def wrapped(message: dict[str, Any]) -> None:
+            await send(message)
+
+        if how == "/direct":
+            assert writer.start(send, start)
+        elif how == "/wrapped":
+            assert not writer.start(wrapped, start)  # nothing written: send takes it
+            await wrapped(start)
+        else:
+            await send(start)
+        used.append(how)
+        for part in rest:
+            await send({"type": "http.response.body", "body": part, "more_body": False})
+
+    # As the gateway serves (its own access line, none of uvicorn's: with uvicorn's access
+    # log on, ``send`` writes a line per start and the writer leaves every start to it).
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol, access_log=False) as url:
+        answers = await exchange(url, get("/direct"), get("/send"), get("/wrapped"), get("/direct"))
+    assert used == ["/direct", "/send", "/wrapped", "/direct"]
+    for answer in answers:
+        check_framing(answer, framing, whole)
+    heads = [{k: v for k, v in a.headers.items() if k != "date"} for a in answers]
+    assert heads[0] == heads[1] == heads[2] == heads[3]

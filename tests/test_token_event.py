@@ -314,6 +314,9 @@ class _Writer:
     def __init__(self) -> None:
         self.written: list[bytes] = []
 
+    def start(self, send: Any, message: Any) -> bool:
+        return False
+
     def direct(self) -> bool:
         return True
 

@@ -7,8 +7,8 @@ a start and its first body; a task per request listening for the disconnect).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 # A response start may carry its first body (``START_BODY``, ``START_MORE_BODY``): both leave
 # in one socket write instead of two, one TCP segment before the client sees content.
@@ -28,6 +28,12 @@ DIRECT_BODY = "tokenlane.direct_body"
 
 
 class BodyWriter(Protocol):
+    def start(self, send: Callable[..., Any], message: Mapping[str, Any]) -> bool:
+        """Write a ``START_WITH_BODY`` response start (``message``) now, as ``send`` would,
+        when ``send`` is the server's own (no middleware between); False, with nothing
+        written, where ``send`` must take it."""
+        ...
+
     def direct(self) -> bool:
         """Whether ``write_body`` may be used now: the response is started, chunked, and not
         the answer to a HEAD (else the relay sends ASGI messages as ever)."""

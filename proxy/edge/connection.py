@@ -51,7 +51,7 @@ from proxy.edge.bounds import (
     on_timer,
     refusal_answer,
 )
-from proxy.edge.head import DirectBody, start_with_body
+from proxy.edge.head import DirectBody
 from proxy.errors import HeadRefused
 from proxy.observe.metrics import Metrics
 
@@ -103,6 +103,8 @@ class CoalescingCycle(RequestResponseCycle):
     another: two TCP segments, and on a busy host two wake-ups of the client before it sees
     any content. Relayed responses always have their first chunk in hand when they start."""
 
+    direct_body: DirectBody | None = None  # this cycle's DIRECT_BODY writer (set with the class)
+
     # uvicorn types ``send`` with its own event TypedDicts; an ASGI app hands us any message
     # mapping (starlette's ``Message``), and ours carry the START_WITH_BODY keys besides.
     async def send(self, message: Message) -> None:  # type: ignore[override]
@@ -110,37 +112,10 @@ class CoalescingCycle(RequestResponseCycle):
         if body is None:
             await super().send(cast(Any, message))
             return
+        writer = self.direct_body
+        if writer is not None and writer.start(self.send, message):
+            return
         more = bool(message.get(START_MORE_BODY, False))
-        if (
-            message["type"] == "http.response.start"
-            and not (self.response_started or self.disconnected or self.access_log)
-            and not self.flow.write_paused
-        ):
-            # ``send``'s own rules, compiled (``edge/head.py``); None where it would raise.
-            start = start_with_body(
-                message["status"],
-                message.get("headers", ()),
-                self.default_headers,
-                self.scope["method"],
-                self.chunked_encoding,
-                self.expected_content_length,
-                self.keep_alive,
-                body,
-                more,
-            )
-            if start is not None:
-                self.response_started = True
-                self.waiting_for_100_continue = False
-                self.chunked_encoding = start.chunked
-                self.expected_content_length = start.length
-                self.keep_alive = start.keep_alive
-                self.transport.writelines(start.parts)
-                if start.complete:
-                    self.response_complete = True
-                    self.message_event.set()
-                    if not self.keep_alive:
-                        self.transport.close()
-                return
         transport = self.transport
         capture = _Capture(transport)
         self.transport = capture  # type: ignore[assignment]
@@ -368,11 +343,8 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             cycle.__class__ = CoalescingCycle
         if type(cycle) is CoalescingCycle:
             hook = ClientGoneHook()
-            ours = {
-                START_WITH_BODY: _NO_OPTIONS,
-                CLIENT_GONE: hook,
-                DIRECT_BODY: DirectBody(cycle),
-            }
+            writer = cycle.direct_body = DirectBody(cycle)
+            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: writer}
             theirs = self.scope.get("extensions")
             self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
             # Every request of the connection not answered yet: with pipelining, the one

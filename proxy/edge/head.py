@@ -13,7 +13,8 @@ itself raise. ``tests/test_head.py`` holds the two to the same bytes and state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
@@ -21,6 +22,8 @@ from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     RequestResponseCycle,
 )
+
+from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
 
 # The bytes uvicorn's expressions take in a header name and a header value, read off them.
 _NAME_BYTES = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
@@ -135,6 +138,49 @@ class DirectBody:
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self.cycle = cycle
+
+    def start(self, send: Callable[..., Any], message: Mapping[str, Any]) -> bool:
+        """Write a ``START_WITH_BODY`` start now, as the cycle's ``send`` would write it, and
+        say so; False (nothing written) where ``send`` must take it: the app's ``send`` is not
+        the cycle's own (a middleware wraps it: CORS adds headers to the start), the state is
+        not a fresh response's, or ``start_with_body`` leaves it to ``send`` (where it raises).
+        The relay's start then costs no interpreted coroutine (``Responder.send_start``)."""
+        cycle = self.cycle
+        if (
+            send != cycle.send
+            or message["type"] != "http.response.start"
+            or cycle.response_started
+            or cycle.disconnected
+            or cycle.access_log
+            or cycle.flow.write_paused
+        ):
+            return False
+        start = start_with_body(
+            message["status"],
+            message.get("headers", ()),
+            cycle.default_headers,
+            cycle.scope["method"],
+            cycle.chunked_encoding,
+            cycle.expected_content_length,
+            cycle.keep_alive,
+            message[START_BODY],
+            bool(message.get(START_MORE_BODY, False)),
+        )
+        if start is None:
+            return False
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = start.chunked
+        cycle.expected_content_length = start.length
+        cycle.keep_alive = start.keep_alive
+        transport = cycle.transport
+        transport.writelines(start.parts)
+        if start.complete:
+            cycle.response_complete = True
+            cycle.message_event.set()
+            if not cycle.keep_alive:
+                transport.close()
+        return True
 
     def direct(self) -> bool:
         cycle = self.cycle

@@ -28,23 +28,29 @@ class Recorder:
 
     A batch's counts and observations are added to their series once per series at its end:
     ``Counter.inc`` and ``Histogram.observe`` take a lock and walk prometheus-client's Python
-    per call (seven a request), where a batch of a busy second holds a few series. The access
-    lines go out at the batch's end as well (``accesslog.flush_lines``)."""
+    per call (seven a request), where a batch of a busy second holds a few series. They are
+    kept by metric and labels, and each series is looked up (``Metrics.series``, interpreted)
+    once per batch, not once per request. The access lines go out at the batch's end as well
+    (``accesslog.flush_lines``)."""
 
     def __init__(self, metrics: Metrics, estimator: Learner) -> None:
         self.metrics = metrics
         self.estimator = estimator
-        self._counts: dict[Any, float] = {}  # a counter's series: what this batch adds
-        self._observed: dict[Any, Gaps] = {}  # a histogram's series: this batch's values
+        # (a counter, its labels): what this batch adds
+        self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
+        # (a histogram, its labels): this batch's values, held for its series
+        self._observed: dict[tuple[Any, tuple[str, ...]], Gaps] = {}
 
-    def _inc(self, series: Any, amount: float = 1.0) -> None:
+    def _inc(self, metric: Any, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        key = (metric, labels)
         counts = self._counts
-        counts[series] = counts.get(series, 0.0) + amount
+        counts[key] = counts.get(key, 0.0) + amount
 
-    def _observe(self, series: Any, value: float) -> None:
-        held = self._observed.get(series)
+    def _observe(self, metric: Any, labels: tuple[str, ...], value: float) -> None:
+        key = (metric, labels)
+        held = self._observed.get(key)
         if held is None:
-            held = self._observed[series] = Gaps(series, 0.0)
+            held = self._observed[key] = Gaps(self.metrics.series(metric, *labels), 0.0)
         held.observe(value, 0.0)  # one clock: added at the batch's end, or every EVERY values
 
     def __call__(self, call: Call, duration: float, ts: float) -> None:
@@ -52,20 +58,20 @@ class Recorder:
         lane = call.lane.name
         pool = call.pool or ""
         replica = call.replica.name if call.replica is not None else ""
-        self._inc(m.series(m.requests, lane, pool, replica, str(call.status)))
-        self._inc(m.series(m.api_requests, lane, call.kind))
+        self._inc(m.requests, (lane, pool, replica, str(call.status)))
+        self._inc(m.api_requests, (lane, call.kind))
         if call.overhead_s is not None:
-            self._observe(m.series(m.overhead, lane), call.overhead_s)
+            self._observe(m.overhead, (lane,), call.overhead_s)
         # A realtime session's length and first message say nothing of a request's latency:
         # counted, logged, kept out of the lanes' latency histograms.
         if call.pool and call.kind != "realtime":
-            self._observe(m.series(m.duration, lane, pool), duration)
+            self._observe(m.duration, (lane, pool), duration)
             if call.ttft_s is not None:
-                self._observe(m.series(m.ttft, lane, pool), call.ttft_s)
+                self._observe(m.ttft, (lane, pool), call.ttft_s)
             if call.replica is not None:
                 seconds = replica_ttft_s(call.ttft_s, call.queue_wait_s, call.retries)
                 if seconds is not None:
-                    self._observe(m.series(m.replica_ttft, pool, replica), seconds)
+                    self._observe(m.replica_ttft, (pool, replica), seconds)
         usage = call.usage
         reported = usage.get("prompt_tokens") if usage else None
         profile = call.profile
@@ -75,8 +81,8 @@ class Recorder:
             # Estimated and reported over the same requests: their ratio is the estimator's
             # error, not the share of requests whose usage came back.
             if isinstance(reported, int) and reported > 0:
-                self._inc(m.series(m.prompt_tokens_estimated, pool), profile.prompt_tokens_est)
-                self._inc(m.series(m.prompt_tokens_reported, pool), reported)
+                self._inc(m.prompt_tokens_estimated, (pool,), profile.prompt_tokens_est)
+                self._inc(m.prompt_tokens_reported, (pool,), reported)
                 self.estimator.observe(profile, reported)
         write_line(call, duration, ts)  # the one line per request
 
@@ -84,8 +90,9 @@ class Recorder:
         """The batch's counts and observations into their series, then its access lines out."""
         counts = self._counts
         if counts:
-            for series, amount in counts.items():
-                series.inc(amount)
+            series = self.metrics.series
+            for (metric, labels), amount in counts.items():
+                series(metric, *labels).inc(amount)
             counts.clear()
         observed = self._observed
         if observed:

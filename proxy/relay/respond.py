@@ -254,7 +254,10 @@ class Responder:
         if call.start_with_body:
             start[START_BODY] = body
             start[START_MORE_BODY] = more_body
-            await send(start)
+            writer = call.body_writer
+            # Written by the server's writer itself where it can (no interpreted ``send``).
+            if writer is None or not writer.start(send, start):
+                await send(start)
         else:
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": more_body})
