@@ -273,7 +273,8 @@ INTERNALS = [
         "uvicorn",
         "RequestResponseCycle: no __slots__ (its class is swapped), .transport written through "
         "in send(), .scope, .disconnected, .response_complete",
-        "proxy/edge/connection.py CoalescingCycle: the response start and first body in one write",
+        "proxy/edge/connection.py CoalescingCycle, proxy/edge/head.py DirectBody.start: the "
+        "response start and first body in one write",
         lambda: (
             (
                 assert_equal("__slots__" in vars(RequestResponseCycle), False),
