@@ -636,9 +636,18 @@ def test_a_continuation_waits_only_for_a_probing_replica_it_could_take() -> None
     assert not probing(set())  # a dead replica probes for ever: not worth the wait
 
 
-@pytest.mark.parametrize("others", [0, 2, 3])
+@pytest.mark.parametrize(
+    ("live", "alone"), [(0, True), (1, True), (2, True), (3, False), (64, False)]
+)
+def test_the_first_content_goes_alone_only_with_at_most_two_requests_in_flight(
+    live: int, alone: bool
+) -> None:
+    assert first_content_alone(live) is alone
+
+
+@pytest.mark.parametrize(("others", "alone"), [(0, True), (1, True), (2, False), (3, False)])
 async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest_at_once(
-    others: int,
+    others: int, alone: bool
 ) -> None:
     """Continuation on, a 64-token stream that comes in one read (as the overhead benchmark's
     mock sends it). With few requests in flight, the response start carries the events up to
@@ -646,7 +655,7 @@ async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest
     rest and the body's end follow in one message (one socket write under the gateway's
     server). With more in flight (``first_content_alone``), the whole read goes in the start.
     Either way every event arrives once, in order, the ids hidden."""
-    assert first_content_alone(1 + others) == (1 + others <= FIRST_CONTENT_ALONE_UP_TO)
+    assert first_content_alone(1 + others) is alone  # this request and the others
     async with (
         running() as up,
         running_gateway(policy_for({"p": [up.url]}, continuation={"enabled": True})) as (_, app),
@@ -682,7 +691,7 @@ async def test_a_burst_of_an_eligible_stream_sends_its_first_token_then_the_rest
         assert up.stats.raw_bodies[-1] == body[:-1] + b',"return_token_ids":true}'
     start = sent[0]
     assert start["type"] == "http.response.start"
-    if first_content_alone(1 + others):
+    if alone:
         assert len(sent) == 2 and start[START_MORE_BODY] is True
         first = data_events(start[START_BODY].decode())
         assert [e["choices"][0]["delta"] for e in first] == [

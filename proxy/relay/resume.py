@@ -87,7 +87,7 @@ class Resumer:
         response_start: Callable[[Call, Reply, int], dict[str, Any]],
         send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
-        live: Collection[Call] = (),
+        live: Collection[Call],
         tracer: Tracer | None = None,
     ) -> None:
         self.admission = admission
