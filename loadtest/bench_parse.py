@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loadtest.bench_decisions import per_call_us
-from proxy.observe.accesslog import encode_line
+from proxy.observe.accessline import encode_line
 from proxy.relay import continuation as cont
 from proxy.relay import sse
 

@@ -14,8 +14,10 @@ Python, ``TOKENLANE_INTERPRETED=1``) runs the same sources interpreted.
 
 What compiled code does not allow, and the sources keep to: a class of these modules is not
 subclassed by interpreted code; a call passes the annotated types (checked at run time); a
-dataclass's field types are importable at run time. ``proxy/observe/accesslog.py`` is left
-out: compiled, its log handler crashed the process at logging's shutdown.
+dataclass's field types are importable at run time; a dataclass made per request is given an
+``__init__`` of its own (the generated one stays interpreted: ``Profile``). The access log's
+handler (``proxy/observe/accesslog.py``) is left out: compiled, it crashed the process at
+logging's shutdown; the lines are made in ``proxy/observe/accessline.py``, compiled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ MODULES = (
     "proxy.edge.head",
     "proxy.edge.validate",
     "proxy.fleet.replica",
+    "proxy.observe.accessline",
     "proxy.observe.gaps",
     "proxy.observe.outcomes",
     "proxy.observe.record",

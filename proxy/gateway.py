@@ -273,6 +273,7 @@ class Gateway:
 
     def _refresh_gauges(self) -> None:
         self.outcomes.flush()  # every request that ended before the scrape is in it
+        self.admission.flush_metrics()  # and every queue wait
         m = self.metrics
         for replica in self.fleet.replicas():
             m.replica_in_flight.labels(replica.pool, replica.name).set(replica.in_flight)

@@ -358,6 +358,7 @@ async def ttft(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tup
 def queue_waits(app: Any, lane: str) -> tuple[float, float]:
     """(count, sum) of the lane's queue-wait observations: 0 s for a request dispatched on
     arrival, the time it waited for one that queued."""
+    app.gateway.admission.flush_metrics()  # held and added in batches, as before a scrape
     samples = {
         s.name: s.value
         for m in app.gateway.metrics.queue_wait.collect()

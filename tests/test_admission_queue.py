@@ -285,6 +285,7 @@ async def test_queue_wait_is_observed_for_every_dispatch() -> None:
     await asyncio.sleep(0.05)
     h.end(ln, first)
     await waiter
+    h.adm.flush_metrics()  # held and added in batches, as before a scrape
     hist = h.metrics.queue_wait.labels("l")
     assert hist._sum.get() >= 0.05
     samples = {s.name: s.value for s in h.metrics.queue_wait.collect()[0].samples

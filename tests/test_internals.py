@@ -313,6 +313,29 @@ INTERNALS = [
     ),
     Internal(
         "uvicorn",
+        "RequestResponseCycle.send ending a response: the last chunk b'0\\r\\n\\r\\n', "
+        ".response_complete, .message_event set, the transport closed without keep-alive, "
+        "then .on_response() (the protocol's on_response_complete: a pipelined request, the "
+        "keep-alive timeout)",
+        "proxy/edge/head.py DirectBody.start (a start with the whole body) and DirectBody.end "
+        "(a direct response's end), both ending a response as send does",
+        lambda: (
+            (
+                source_has(
+                    RequestResponseCycle.send,
+                    'b"0\\r\\n\\r\\n"',
+                    "self.response_complete = True",
+                    "self.message_event.set()",
+                    "if not self.keep_alive:",
+                    "self.on_response()",
+                ),
+                source_has(RequestResponseCycle.__init__, "self.on_response = on_response"),
+            )
+            and None
+        ),
+    ),
+    Internal(
+        "uvicorn",
         "httptools_impl.HEADER_RE, HEADER_VALUE_RE and STATUS_LINE (bytes by status) as "
         "RequestResponseCycle.send checks and writes a start; the cycle's .default_headers, "
         ".keep_alive, .expected_content_length, .waiting_for_100_continue, .message_event, "

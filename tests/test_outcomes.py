@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.observe import accesslog
-from proxy.observe.accesslog import flush_lines, record_of, write_line
+from proxy.observe import accessline, accesslog
+from proxy.observe.accessline import record_of, write_line
+from proxy.observe.accesslog import flush_lines
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
 from proxy.observe.record import Recorder
@@ -260,7 +261,7 @@ async def test_access_lines_are_written_once_per_batch_and_a_refusal_at_once(
         assert stream.flushes == 1 and stream.writes == 1  # two lines, one write, one flush
         outcomes.flush()  # an empty batch writes nothing
         assert stream.flushes == 1 and stream.writes == 1
-        accesslog.write_refusal("/v1/chat/completions", 401, "r-3", "no key", 0.001, 0.0, log)
+        accessline.write_refusal("/v1/chat/completions", 401, "r-3", "no key", 0.001, 0.0, log)
         assert stream.flushes == 2
         last = stream.getvalue().splitlines()[-1].removeprefix(prefix or "")
         assert json.loads(last)["status"] == 401
@@ -307,7 +308,7 @@ def test_an_access_line_that_cannot_be_written_is_reported_not_raised(
     ],
 )
 def test_an_access_line_is_what_json_writes(record: dict[str, object]) -> None:
-    line = accesslog.encode_line(record)
+    line = accessline.encode_line(record)
     assert line == json.dumps(record, separators=(",", ":"))
     assert line.isascii() and "\n" not in line and json.loads(line) == record
 

@@ -313,12 +313,14 @@ async def test_start_with_body_honours_connection_close() -> None:
     assert answer.headers["connection"] == "close"
 
 
-async def test_pipelined_requests_each_get_the_start_with_body() -> None:
+@pytest.mark.parametrize("access_log", [True, False])  # False: the start is written direct
+async def test_pipelined_requests_each_get_the_start_with_body(access_log: bool) -> None:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = scope["path"].encode()
         await send_start_with_body(scope, send, [], body, more_body=False)
 
-    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+    config = {"http": NoDelayHttpToolsProtocol, "access_log": access_log}
+    async with serve_app(asgi(app), **config) as url:
         async with asyncio.timeout(30), connect(url) as (reader, writer):
             writer.write(get("/a") + get("/b") + get("/c"))  # one segment, three requests
             answers = [await read_response(reader) for _ in range(3)]
@@ -655,3 +657,39 @@ async def test_the_direct_start_is_the_response_send_writes_and_only_for_the_ser
         check_framing(answer, framing, whole)
     heads = [{k: v for k, v in a.headers.items() if k != "date"} for a in answers]
     assert heads[0] == heads[1] == heads[2] == heads[3]
+
+
+@pytest.mark.parametrize("last", [b"", b"data: [DONE]\n\n"])
+async def test_the_direct_end_is_the_end_send_writes_and_a_pipelined_request_follows(
+    last: bytes,
+) -> None:
+    """``DIRECT_BODY``'s ``end`` ends a direct response as the cycle's ``send`` does: the
+    same bytes (its last data and the last chunk), the response complete, and the next
+    request pipelined behind it answered (``send`` starts it through the protocol's
+    ``on_response_complete``; an end without that left it waiting for ever)."""
+    ended: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        writer = scope["extensions"][DIRECT_BODY]
+        headers = [(b"content-type", b"text/event-stream"), (b"x-test", b"kept")]
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        assert writer.start(send, {**start, START_BODY: b"data: a\n\n", START_MORE_BODY: True})
+        assert writer.write_body(b"data: b\n\n")
+        if scope["path"] == "/direct":
+            ended.append(writer.end(last))
+            assert not writer.direct()  # complete
+        else:
+            await send({"type": "http.response.body", "body": last, "more_body": False})
+
+    whole = b"data: a\n\ndata: b\n\n" + last
+    # As the gateway serves: without uvicorn's access log (``test_the_direct_start_...``).
+    config = {"http": NoDelayHttpToolsProtocol, "access_log": False}
+    async with serve_app(asgi(app), **config) as url:
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
+            writer.write(get("/direct") + get("/send") + get("/direct"))  # one segment
+            answers = [await read_response(reader) for _ in range(3)]
+    assert ended == [True, True]
+    for answer in answers:
+        check_framing(answer, "chunked", whole)
+    heads = [{k: v for k, v in a.headers.items() if k != "date"} for a in answers]
+    assert heads[0] == heads[1] == heads[2]

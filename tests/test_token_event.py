@@ -294,6 +294,12 @@ def test_a_run_takes_the_token_chunks_up_to_the_first_other_event() -> None:
     [
         chat_chunk("x", [1]).replace(b"[1]", b"[007]"),
         chat_chunk("x", [1]).replace(b"[1]", b"[1," + b"9" * 5000 + b"]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[1" + b"0" * 18 + b"]"),  # 19 digits
+        chat_chunk("x", [1]).replace(b"[1]", b"[1,02]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[1,,2]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[1,]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[,1]"),
+        chat_chunk("x", [1]).replace(b"[1]", b"[1 ]"),
         chat_chunk("", [2]),
     ],
 )
@@ -306,6 +312,17 @@ def test_a_run_ends_before_a_chunk_that_is_not_plainly_one(bad: bytes) -> None:
     assert sp.ids == [7, 1, 1]
     assert sp.take_run(read, run[1], False) is None
     assert sp.ids == [7, 1, 1]
+
+
+def test_a_run_takes_ids_at_the_edges_of_plain() -> None:
+    """Zeros alone, 18 digits, several ids: plain, as vLLM writes them (``plain_ids``)."""
+    edges = [[0], [0, 0, 10], [10**17, 999_999_999_999_999_999], []]
+    events = [chat_chunk(f" e{i}", ids) for i, ids in enumerate(edges)]
+    read = b"".join(ev + b"\n\n" for ev in events)
+    sp = learned()
+    run = sp.take_run(read, 0, False)
+    assert run == (read, len(read))
+    assert sp.ids == [7, 0, 0, 0, 10, 10**17, 999_999_999_999_999_999]
 
 
 class _Writer:
@@ -321,6 +338,10 @@ class _Writer:
         return True
 
     def write_body(self, data: bytes) -> bool:
+        self.written.append(data)
+        return True
+
+    def end(self, data: bytes) -> bool:
         self.written.append(data)
         return True
 

@@ -44,6 +44,12 @@ class BodyWriter(Protocol):
         the client's socket is full (``drain`` before writing more)."""
         ...
 
+    def end(self, data: bytes) -> bool:
+        """What ``send`` does with the body message that ends a ``direct`` response (its
+        last ``data``, maybe empty); False, with nothing written, where ``send`` must take it
+        (the client's socket is full)."""
+        ...
+
     async def drain(self) -> None:
         """Until the client's socket takes more (or the client is gone)."""
         ...

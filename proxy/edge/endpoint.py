@@ -39,7 +39,7 @@ from proxy.errors import (
     send_error,
 )
 from proxy.fleet.fleet import Fleet
-from proxy.observe import accesslog
+from proxy.observe import accessline
 from proxy.observe.outcomes import Outcomes
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Call
@@ -339,7 +339,7 @@ class RelayEndpoint:
                 call.error_origin = "gateway"
             if call is None:
                 # Refused before it was a call: its own access line (a Call gets one below).
-                accesslog.write_refusal(
+                accessline.write_refusal(
                     self.path, err.status, request_id, err.message, now() - received_at, time.time()
                 )
                 await send_error(send, err, request_id, dialect=self.dialect)
@@ -358,7 +358,7 @@ class RelayEndpoint:
                 call.status = 500
                 call.error_origin = "gateway"
             else:
-                accesslog.write_refusal(
+                accessline.write_refusal(
                     self.path, 500, request_id, "internal error", now() - received_at, time.time()
                 )
             if call is None or not call.started:

@@ -177,6 +177,9 @@ class DirectBody:
             cycle.message_event.set()
             if not cycle.keep_alive:
                 transport.close()
+            # As ``send`` ends a response: the protocol starts a pipelined request, or arms
+            # the keep-alive timeout (without it a pipelined request waited forever).
+            cycle.on_response()
         return True
 
     def direct(self) -> bool:
@@ -195,6 +198,26 @@ class DirectBody:
             return True
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return not cycle.flow.write_paused
+
+    def end(self, data: bytes) -> bool:
+        """What ``send`` does with the body message that ends a ``direct`` response: ``data``
+        (if any) and the last chunk in one write, the response complete. False, with nothing
+        written, while the client's socket is full: ``send`` takes it, and drains first."""
+        cycle = self.cycle
+        if cycle.disconnected:
+            return True  # as ``send`` does: nothing is written, or ended, for a client gone
+        if cycle.flow.write_paused:
+            return False
+        if data:
+            cycle.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+        else:
+            cycle.transport.write(_LAST_CHUNK)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
 
     async def drain(self) -> None:
         cycle = self.cycle

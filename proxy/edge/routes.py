@@ -43,7 +43,8 @@ from proxy.errors import (
     internal_error,
     send_error,
 )
-from proxy.observe.accesslog import BatchedLines, write_refusal
+from proxy.observe.accessline import write_refusal
+from proxy.observe.accesslog import BatchedLines
 from proxy.observe.accesslog import logger as access_log
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import Outcomes

@@ -1,37 +1,20 @@
 """The access log: one JSON line per request on the ``tokenlane.access`` logger (stdout).
 
 Lines are written with the rest of a request's outcome, off its path (``outcomes.Outcomes``).
+This module is the logger and its handler; the lines are made in ``proxy.observe.accessline``,
+which is compiled (``proxy/compiled.py``): a handler compiled crashed the process at logging's
+shutdown, so the handler stays here, interpreted.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import TYPE_CHECKING, Any
-
-import msgspec
-
-if TYPE_CHECKING:
-    from proxy.relay.call import Call
+from typing import Any
 
 logger = logging.getLogger("tokenlane.access")
 
 
-_PLAIN = logging.Formatter("%(message)s")
-_ENCODER = msgspec.json.Encoder()
-
-
-def encode_line(record: dict[str, Any]) -> str:
-    """``record`` as one line of compact JSON, as ``json.dumps(record, separators=(",", ":"))``
-    writes it, in an eighth of the time (``loadtest/bench_parse.py``). msgspec writes text
-    beyond ASCII as UTF-8 where ``json`` escapes it: such a line is written by ``json``, as
-    it always was. Otherwise the two differ only where a record never goes: the exponent
-    form of floats under 1e-4 or from 1e16 (``1e16`` for ``1e+16``; both JSON), and NaN
-    (null, where ``json`` writes ``NaN``, which is not JSON)."""
-    line = _ENCODER.encode(record)
-    if line.isascii():
-        return line.decode()
-    return json.dumps(record, separators=(",", ":"))
+PLAIN = logging.Formatter("%(message)s")
 
 
 class BatchedLines(logging.StreamHandler):
@@ -45,12 +28,12 @@ class BatchedLines(logging.StreamHandler):
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
-        self.setFormatter(_PLAIN)
+        self.setFormatter(PLAIN)
         self._lines: list[str] = []
 
     @property
     def plain(self) -> bool:
-        return self.formatter is _PLAIN
+        return self.formatter is PLAIN
 
     def write(self, line: str) -> None:
         """Hold ``line`` for the batch's write. Without ``emit``'s lock: access lines are
@@ -87,121 +70,4 @@ def flush_lines(log: logging.Logger = logger) -> None:
             handler.flush()
 
 
-def _emit(log: logging.Logger, line: str) -> None:
-    # The usual set-up (``configure_logging``): the line straight to the one handler's stream,
-    # as its ``emit`` would write it; a log record and its handling cost 7.5 µs more a line
-    # (timeit). Else ``log.info`` less its ``findCaller``, a walk of the stack for a source
-    # line nobody reads.
-    handlers = log.handlers
-    if len(handlers) == 1 and not log.propagate and not log.filters:
-        handler = handlers[0]
-        if type(handler) is BatchedLines and handler.plain and not handler.filters:
-            if handler.level <= logging.INFO:
-                handler.write(line)
-            return
-    log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, line, (), None))
-
-
-def write_line(call: Call, duration_s: float, ts: float, log: logging.Logger = logger) -> None:
-    if log.isEnabledFor(logging.INFO):
-        _emit(log, encode_line(record_of(call, duration_s, ts)))
-
-
-def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:
-    """A request's access-log record: no body, no header, so no secret."""
-    usage = call.usage
-    profile = call.profile
-    return {
-        "ts": round(ts, 3),
-        "request_id": call.request_id,
-        "path": call.path,
-        "api": call.kind,  # chat, completion, messages, responses, other (pass-through)
-        "lane": call.lane.name,
-        "pool": call.pool,
-        "replica": call.replica.name if call.replica is not None else None,
-        "status": call.status,
-        "stream": call.stream,
-        "model": call.model,
-        "prompt_tokens_est": profile.prompt_tokens_est if profile else None,
-        "prompt_tokens": usage.get("prompt_tokens") if usage else None,
-        "output_tokens": usage.get("completion_tokens") if usage else None,
-        "content_chunks": call.content_chunks if call.stream else None,
-        "queue_wait_ms": round(call.queue_wait_s * 1000, 2),
-        "ttft_ms": round(call.ttft_s * 1000, 2) if call.ttft_s is not None else None,
-        "duration_ms": round(duration_s * 1000, 2),
-        "retries": call.retries,
-        "error": call.error,
-        "client_disconnected": call.disconnected or None,
-        # who produced the error: "gateway" (its own refusal or failure) or "replica" (a
-        # relayed upstream error); null on success
-        "error_origin": call.error_origin,
-        # cache_aware pools only: the prompt tokens the chosen replica was judged to hold
-        "prefix_match_tokens": call.prefix_match_tokens,
-        # each seam of a stream continued on another replica: from, to, at_token, trigger
-        "continuations": _seams(call),
-    }
-
-
-def _seams(call: Call) -> list[dict[str, Any]] | None:
-    splice = call.continuation
-    seams = getattr(splice, "seams", None) if splice is not None else None
-    return list(seams) if seams else None
-
-
-def refusal_record(
-    path: str, status: int, request_id: str | None, error: str, duration_s: float, ts: float
-) -> dict[str, Any]:
-    """The access-log record of a request the gateway refused before it was a relayed call
-    (401, 400, 404, 405, 413, 503 on shutdown...): the same fields, those never reached null,
-    so a brute force or a fuzzer shows in the log line by line."""
-    return {
-        "ts": round(ts, 3),
-        "request_id": request_id,
-        "path": path,
-        "api": None,
-        "lane": None,
-        "pool": None,
-        "replica": None,
-        "status": status,
-        "stream": None,
-        "model": None,
-        "prompt_tokens_est": None,
-        "prompt_tokens": None,
-        "output_tokens": None,
-        "content_chunks": None,
-        "queue_wait_ms": 0.0,
-        "ttft_ms": None,
-        "duration_ms": round(duration_s * 1000, 2),
-        "retries": 0,
-        "error": error,
-        "client_disconnected": None,
-        "error_origin": "gateway",
-        "prefix_match_tokens": None,
-        "continuations": None,
-    }
-
-
-def write_refusal(
-    path: str,
-    status: int,
-    request_id: str | None,
-    error: str,
-    duration_s: float,
-    ts: float,
-    log: logging.Logger = logger,
-) -> None:
-    if log.isEnabledFor(logging.INFO):
-        record = refusal_record(path, status, request_id, error, duration_s, ts)
-        _emit(log, encode_line(record))
-        flush_lines(log)  # written on the spot, not in a batch
-
-
-__all__ = [
-    "BatchedLines",
-    "flush_lines",
-    "logger",
-    "record_of",
-    "refusal_record",
-    "write_line",
-    "write_refusal",
-]
+__all__ = ["PLAIN", "BatchedLines", "flush_lines", "logger"]

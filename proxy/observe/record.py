@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from proxy.observe.accesslog import flush_lines, write_line
+from proxy.observe.accessline import write_line
+from proxy.observe.accesslog import flush_lines
 from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics, replica_ttft_s
 

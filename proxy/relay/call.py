@@ -2,13 +2,12 @@
 upstream attempt made for it (``Attempt``). Everything that observes a request (outcomes, the
 access log, auth's token charge) reads this record, so it depends on nothing but config, the
 fleet's ``Replica`` and the request's ``Profile`` (imported, not only named for the type
-checker: compiled, a dataclass reads its field types at run time, ``proxy/compiled.py``)."""
+checker: compiled, a call checks the annotated types at run time, ``proxy/compiled.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.config import LaneConfig
@@ -19,70 +18,93 @@ from proxy.relay.retry import Phase
 from proxy.routing.profile import Profile
 
 
-@dataclass(eq=False, slots=True)
 class Call:
-    """One client request on its way through the gateway: what came in and what happened."""
+    """One client request on its way through the gateway: what came in and what happened.
 
-    request_id: str
-    kind: str  # chat | completion | messages | responses | other
-    path: str
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-    stream: bool
-    model: str | None
-    lane: LaneConfig
-    profile: Profile | None
-    wants_usage: bool
-    received_at: float
-    query: bytes = b""
-    method: str = "POST"  # GET only on pass-through paths vLLM serves with GET
-    # Whose shapes the gateway's own errors take on this path (``errors.dialect_of``).
-    dialect: Dialect = Dialect.OPENAI
-    # The one replica (its URL) that can answer: it holds the stored response the request
-    # names (``relay.homes``). None: any replica of the lane's pools.
-    pinned: str | None = None
-    # The body as the edge parsed it (chat and completions), for what reads its fields later
-    # (continuation's eligibility) without parsing it again.
-    fields: dict[str, Any] | None = None
-    task: asyncio.Task[Any] | None = None
-    start_with_body: bool = False  # the server takes START_WITH_BODY
-    # The server's DIRECT_BODY writer: a started stream's chunks are written from the upstream
-    # connection's callback (``respond``, ``resume``). None: ASGI messages only.
-    body_writer: BodyWriter | None = None
-    # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty, and
-    # free, when rate limits are off).
-    extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
-    # outcome
-    pool: str | None = None
-    replica: Replica | None = None
-    status: int = 0
-    started: bool = False  # status line sent to the client
-    ttft_s: float | None = None
-    queue_wait_s: float = 0.0
-    retries: int = 0
-    overhead_s: float | None = None  # arrival to the first attempt's send
-    content_chunks: int = 0
-    usage: dict[str, Any] | None = None
-    # Each choice's finish_reason as the answer ended, read only while tracing is on (a trace
-    # attribute) or where the answer is parsed anyway (continuation, a plain response).
-    finish_reasons: list[str] | None = None
-    error: str | None = None
-    finished: bool = False
-    disconnected: bool = False
-    # Set when the gateway itself ends the request (shutdown past its grace): why, for the
-    # client's error event, before its task is cancelled.
-    cut: str | None = None
-    # Who produced an error answer: "gateway" (its own refusal or failure) or "replica" (a
-    # relayed upstream error); None on success. For the access log.
-    error_origin: str | None = None
-    tried: set[Replica] = field(default_factory=set)
-    retried_after_send: bool = False  # the one retry of retry.on_5xx_after_send was used
-    # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
-    prefix_match_tokens: int | None = None
-    prompt_token_ids: list[int] | None = None  # precise cache_aware: as a replica renders it
-    trace: Any = None  # the request's SERVER span while tracing is on (``observe.tracing``)
-    # An eligible stream's continuation state (``relay.continuation.Splice``), else None.
-    continuation: Any = None
+    A plain class with its own ``__init__`` rather than a dataclass: compiled, a dataclass's
+    generated ``__init__`` stays interpreted (1.1 % of a burst request's samples under
+    ``perf``, its forty stores through slot descriptors); this one is compiled."""
+
+    def __init__(
+        self,
+        request_id: str,
+        kind: str,  # chat | completion | messages | responses | other
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        stream: bool,
+        model: str | None,
+        lane: LaneConfig,
+        profile: Profile | None,
+        wants_usage: bool,
+        received_at: float,
+        query: bytes = b"",
+        method: str = "POST",
+        dialect: Dialect = Dialect.OPENAI,
+        fields: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.path = path
+        self.body = body
+        self.headers = headers
+        self.stream = stream
+        self.model = model
+        self.lane = lane
+        self.profile = profile
+        self.wants_usage = wants_usage
+        self.received_at = received_at
+        self.query = query
+        self.method = method  # GET only on pass-through paths vLLM serves with GET
+        # Whose shapes the gateway's own errors take on this path (``errors.dialect_of``).
+        self.dialect = dialect
+        # The body as the edge parsed it (chat and completions), for what reads its fields
+        # later (continuation's eligibility) without parsing it again.
+        self.fields = fields
+        # The one replica (its URL) that can answer: it holds the stored response the request
+        # names (``relay.homes``). None: any replica of the lane's pools.
+        self.pinned: str | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.start_with_body = False  # the server takes START_WITH_BODY
+        # The server's DIRECT_BODY writer: a started stream's chunks are written from the
+        # upstream connection's callback (``respond``, ``resume``). None: ASGI messages only.
+        self.body_writer: BodyWriter | None = None
+        # Added to every answer: the key's x-ratelimit-* headers when it has limits (empty,
+        # and free, when rate limits are off).
+        self.extra_headers: list[tuple[bytes, bytes]] | tuple[()] = ()
+        # outcome
+        self.pool: str | None = None
+        self.replica: Replica | None = None
+        self.status = 0
+        self.started = False  # status line sent to the client
+        self.ttft_s: float | None = None
+        self.queue_wait_s = 0.0
+        self.retries = 0
+        self.overhead_s: float | None = None  # arrival to the first attempt's send
+        self.content_chunks = 0
+        self.usage: dict[str, Any] | None = None
+        # Each choice's finish_reason as the answer ended, read only while tracing is on (a
+        # trace attribute) or where the answer is parsed anyway (continuation, a plain
+        # response).
+        self.finish_reasons: list[str] | None = None
+        self.error: str | None = None
+        self.finished = False
+        self.disconnected = False
+        # Set when the gateway itself ends the request (shutdown past its grace): why, for the
+        # client's error event, before its task is cancelled.
+        self.cut: str | None = None
+        # Who produced an error answer: "gateway" (its own refusal or failure) or "replica" (a
+        # relayed upstream error); None on success. For the access log.
+        self.error_origin: str | None = None
+        self.tried: set[Replica] = set()
+        self.retried_after_send = False  # the one retry of retry.on_5xx_after_send was used
+        # cache_aware pools: the prompt tokens the chosen replica was judged to hold cached
+        self.prefix_match_tokens: int | None = None
+        # precise cache_aware: the prompt as a replica renders it
+        self.prompt_token_ids: list[int] | None = None
+        self.trace: Any = None  # the request's SERVER span while tracing is on
+        # An eligible stream's continuation state (``relay.continuation.Splice``), else None.
+        self.continuation: Any = None
 
 
 class Attempt:

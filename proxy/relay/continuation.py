@@ -532,28 +532,30 @@ class Splice:
                 k += 1
             if k >= n or k == stop + h or data[k - 1] == 0x5C or data[k : k + a + 1] != tail:
                 break
-            # The ids: digits and commas, then the event's end.
-            j = k + a + 1
-            while j < n and (0x30 <= data[j] <= 0x39 or data[j] == 0x2C):
+            # The ids, plain (``plain_ids``'s rule, checked as they are scanned: each of 1 to
+            # 18 digits, no leading zero, one comma between two), then the event's end. An
+            # event with any other ids ends the run before it: it is parsed.
+            i0 = j = k + a + 1
+            digits = 0  # of the id being scanned
+            while j < n:
+                c = data[j]
+                if 0x30 <= c <= 0x39:
+                    if digits == 18 or (digits == 1 and data[j - 1] == 0x30):
+                        break
+                    digits += 1
+                elif c == 0x2C and digits:
+                    digits = 0
+                else:
+                    break
                 j += 1
-            if data[j : j + 6] != _TOKEN_CHUNK_END:
+            if (j > i0 and not digits) or data[j : j + 6] != _TOKEN_CHUNK_END:
                 break
-            lists.append(data[k + a + 1 : j])
+            lists.append(data[i0:j])
             kept.append(data[stop : k + a])
             stop = j + 6
         if not kept:
             return None
         ids = b",".join(filter(None, lists))
-        if ids and _RUN_IDS.fullmatch(ids) is None:
-            # An id that is no plain id: the run ends before its event, which is parsed.
-            good = next(i for i, raw in enumerate(lists) if raw and not plain_ids(raw))
-            if good == 0:
-                return None
-            del kept[good:], lists[good:]
-            stop = start
-            for _ in range(good):
-                stop = data.find(b"\n\n", stop) + 2
-            ids = b",".join(filter(None, lists))
         if ids:
             self.lists.append(ids)
         self.reasoning_open = False

@@ -220,7 +220,9 @@ class Responder:
             tail = relayed.tail
             cut_short = not sse.stream_complete(call.kind, relayed.before[-256:] + relayed.last)
             if not cut_short:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                writer = relayed.writer  # the end written by the server's writer where it can
+                if writer is None or not writer.end(b""):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         if cut_short:
             # vLLM always ends a stream with its end event: one that stops without it was cut
             # (the replica closed early), and the client is told so, never left with a stream

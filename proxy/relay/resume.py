@@ -242,11 +242,19 @@ class Resumer:
                     await unsent()
                     unsent = None
                 else:
-                    if out or ended:  # [DONE] and the body's end: one write
-                        unsent = functools.partial(send, {"type": "http.response.body",
-                            "body": b"".join(out), "more_body": not ended})  # fmt: skip
-                        await unsent()
-                        unsent = None
+                    writer = flow.writer
+                    if writer is not None and not ended:
+                        # The server's writer, without an interpreted ``send`` (as the handler
+                        # writes a chunk); a full client socket is drained before the next.
+                        if out and not writer.write_body(b"".join(out)):
+                            await writer.drain()
+                    elif out or ended:  # [DONE] and the body's end: one write
+                        body = b"".join(out)
+                        if writer is None or not writer.end(body):
+                            unsent = functools.partial(send, {"type": "http.response.body",
+                                "body": body, "more_body": not ended})  # fmt: skip
+                            await unsent()
+                            unsent = None
                     if content:
                         flow.content(now())
                 if ended or trigger:

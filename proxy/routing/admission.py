@@ -54,6 +54,7 @@ from typing import Any, Protocol
 from proxy.config import LaneConfig
 from proxy.errors import Rejected
 from proxy.fleet.fleet import Fleet, Replica
+from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane.admission")
@@ -161,7 +162,10 @@ class LaneState:
     queue: OrderedDict[int, Waiter] = field(default_factory=OrderedDict)
     drain: DrainRate = field(default_factory=DrainRate)
     depth: Any = None  # the lane's tokenlane_queue_depth child
-    wait: Any = None  # the lane's tokenlane_queue_wait_seconds child
+    # The lane's tokenlane_queue_wait_seconds child, its observations held and added in
+    # batches (``Admission.flush_metrics`` before a scrape): a histogram's ``observe`` is
+    # interpreted prometheus-client, once per request.
+    wait: Gaps | None = None
 
     def has_room(self, ledger: Ledger | None) -> bool:
         limit = self.config.max_in_flight
@@ -213,6 +217,13 @@ class Admission:
             self._lane(lane)
         self.kick()
 
+    def flush_metrics(self) -> None:
+        """Every queue wait observed so far into its histogram (before a scrape)."""
+        t = self.clock()
+        for st in self.lanes.values():
+            if st.wait is not None:
+                st.wait.flush(t)
+
     def kick(self) -> None:
         """Something freed capacity without a release (a replica readmitted, a reload): give
         it to waiters now rather than at the sweeper's next round."""
@@ -224,7 +235,7 @@ class Admission:
         if st is None:
             st = self.lanes[lane.name] = LaneState(lane)
             st.depth = self.metrics.queue_depth.labels(lane.name)
-            st.wait = self.metrics.queue_wait.labels(lane.name)
+            st.wait = Gaps(self.metrics.queue_wait.labels(lane.name), self.clock())
             st.depth.set(0)
         elif st.config is not lane:
             st.config = lane  # a reloaded policy: same lane, new limits
@@ -468,8 +479,10 @@ class Admission:
     def _dispatched(self, st: LaneState, waited_s: float) -> None:
         st.in_flight += 1
         self._hold_lane(st)
-        st.drain.note(self.clock())
-        st.wait.observe(waited_s)
+        t = self.clock()
+        st.drain.note(t)
+        if st.wait is not None:
+            st.wait.observe(waited_s, t)
 
     def _changed(self, st: LaneState, delta: int) -> None:
         self.waiting += delta

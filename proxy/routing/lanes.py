@@ -24,6 +24,13 @@ class LaneMatch:
     index: int
     reasons: list[str]  # why this lane, and why each earlier one was skipped; explain only
 
+    # Written out: the generated (frozen) ``__init__`` stays interpreted when compiled
+    # (``Profile.__init__``).
+    def __init__(self, lane: LaneConfig, index: int, reasons: list[str]) -> None:
+        object.__setattr__(self, "lane", lane)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "reasons", reasons)
+
 
 _glob_cache: dict[str, Any] = {}
 

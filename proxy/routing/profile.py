@@ -79,6 +79,40 @@ class Profile:
     # token-id prompts): what the learner subtracts from reported usage.
     fixed_tokens: int = 0
 
+    # Written out rather than generated: compiled, the dataclass's generated (frozen)
+    # ``__init__`` stays interpreted, 1 µs and more a request against tens of nanoseconds
+    # here (``docs/benchmarks.md``, "Per request, what stayed interpreted").
+    def __init__(
+        self,
+        kind: Kind,
+        model: str | None,
+        stream: bool,
+        prompt_chars: int,
+        prompt_tokens_est: int,
+        output_tokens: int | None,
+        n: int,
+        images: int,
+        prompt_head: str,
+        batch: int = 1,
+        audios: int = 0,
+        videos: int = 0,
+        fixed_tokens: int = 0,
+    ) -> None:
+        # Frozen: past its __setattr__ as the generated one goes.
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "prompt_chars", prompt_chars)
+        object.__setattr__(self, "prompt_tokens_est", prompt_tokens_est)
+        object.__setattr__(self, "output_tokens", output_tokens)
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "images", images)
+        object.__setattr__(self, "prompt_head", prompt_head)
+        object.__setattr__(self, "batch", batch)
+        object.__setattr__(self, "audios", audios)
+        object.__setattr__(self, "videos", videos)
+        object.__setattr__(self, "fixed_tokens", fixed_tokens)
+
 
 class Rates(Protocol):
     """What profiling needs from the learner (``proxy.routing.estimate.Estimator``): a protocol,
