@@ -30,7 +30,7 @@ CHUNK = (
     b'"model":"Qwen/Qwen2.5-0.5B-Instruct","choices":[{"index":0,"delta":{"content":" word"},'
     b'"logprobs":null,"finish_reason":null,"token_ids":[1234]}]}'
 )
-# A streamed request's access-log record (``accesslog.record_of``), encoded per request.
+# A streamed request's access-log record (``accessline.record_of``), encoded per request.
 ACCESS_RECORD: dict[str, Any] = {
     "ts": 1767225600.123, "request_id": "3f2a9c1e8b7d4e6fa1b2c3d4", "path": "/v1/chat/completions",
     "api": "chat", "lane": "interactive", "pool": "fast", "replica": "fast-0", "status": 200,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import random
@@ -14,7 +16,7 @@ from proxy.policyfile import build_policy
 from proxy.routing.balance import rendezvous_order
 from proxy.routing.estimate import Estimator
 from proxy.routing.explain import explain_request
-from proxy.routing.lanes import NoLaneMatched, _lane_conditions, _lane_holds, match_lane
+from proxy.routing.lanes import LaneMatch, NoLaneMatched, _lane_conditions, _lane_holds, match_lane
 from proxy.routing.profile import (
     AUDIO_URL_TOKENS,
     CHAT_OVERHEAD_TOKENS,
@@ -572,3 +574,31 @@ def test_max_prefix_chars_and_affinity_key() -> None:
     assert affinity_key(p, 256) == p.prompt_head[:256]
     assert affinity_key(p, 5000) == p.prompt_head
     assert affinity_key(chat({"messages": []}), 256) is None
+
+
+PROFILE_FIELDS: dict[str, Any] = {
+    "kind": "chat", "model": "m", "stream": True, "prompt_chars": 11, "prompt_tokens_est": 12,
+    "output_tokens": 13, "n": 14, "images": 15, "prompt_head": "h", "batch": 16, "audios": 17,
+    "videos": 18, "fixed_tokens": 19,
+}  # fmt: skip
+LANE_MATCH_FIELDS: dict[str, Any] = {"lane": LaneConfig(name="l", pool="p"), "index": 3,
+                                     "reasons": ["r"]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cls", "values"), [(Profile, PROFILE_FIELDS), (LaneMatch, LANE_MATCH_FIELDS)]
+)
+def test_a_written_out_init_sets_every_field_of_the_dataclass(
+    cls: type, values: dict[str, Any]
+) -> None:
+    """``Profile`` and ``LaneMatch`` write their ``__init__`` out (compiled, the generated one
+    stays interpreted): it takes and sets every field, with the field's default."""
+    fields = dataclasses.fields(cls)
+    params = list(inspect.signature(cls).parameters.values())
+    assert [p.name for p in params] == [f.name for f in fields]
+    for param, field in zip(params, fields, strict=True):
+        assert param.default == (
+            inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        )
+    made = cls(**values)
+    assert {f.name: getattr(made, f.name) for f in fields} == values

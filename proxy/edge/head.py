@@ -204,6 +204,8 @@ class DirectBody:
         (if any) and the last chunk in one write, the response complete. False, with nothing
         written, while the client's socket is full: ``send`` takes it, and drains first."""
         cycle = self.cycle
+        if cycle.response_complete or cycle.chunked_encoding is not True:
+            return False  # not a direct response (ended already): ``send`` says what is wrong
         if cycle.disconnected:
             return True  # as ``send`` does: nothing is written, or ended, for a client gone
         if cycle.flow.write_paused:

@@ -510,7 +510,9 @@ class Admission:
         )
 
     async def close(self) -> None:
-        """Stop the sweeper (gateway shutdown)."""
+        """Stop the sweeper and add the queue waits held (gateway shutdown: a restarted
+        worker counts on from its predecessor's series, ``proxy/workers/kept.py``)."""
+        self.flush_metrics()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -7,7 +7,8 @@ in a worker every counter and histogram keeps its value in a file of the run dir
 ``/dev/shm``), one per worker slot, written on every change; the worker started again in that
 slot reads each series' value back when the series is first made, and counts on from it.
 A ``SIGKILL`` loses nothing written: the writes are to shared memory, not to a buffer of the
-process (a stream's inter-token gaps not yet added, ``observe.gaps``, die with the worker).
+process (a stream's inter-token gaps and the queue waits not yet added, ``observe.gaps``,
+die with the worker).
 
 Gauges stay in memory: they say what a worker holds now, and a new worker holds nothing.
 
