@@ -6,6 +6,7 @@ the parser."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from proxy.fleet.replica import make_replica
 from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
 from proxy.relay.call import Attempt, Call
-from proxy.relay.continuation import Splice, strip_ids
+from proxy.relay.continuation import Splice, ids_end, plain_ids, strip_ids
 from proxy.relay.resume import _TokenRelay
 from proxy.relay.sse import EventBuffer
 
@@ -323,6 +324,31 @@ def test_a_run_takes_ids_at_the_edges_of_plain() -> None:
     run = sp.take_run(read, 0, False)
     assert run == (read, len(read))
     assert sp.ids == [7, 0, 0, 0, 10, 10**17, 999_999_999_999_999_999]
+
+
+# ---------------------------------------------------------------- plain ids (ids_end)
+
+# The rule as a regular expression, to hold the scan to: each id 1 to 18 digits, no leading
+# zero, one comma between two (an empty list is plain).
+PLAIN = re.compile(rb"(?:(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*)?")
+
+
+@pytest.mark.parametrize(
+    ("ids", "end"),
+    [
+        (b"", 0), (b"0", 1), (b"7", 1), (b"0,0,10", 6), (b"9" * 18, 18), (b"1,22]", 4),
+        (b"1" + b"0" * 18, -1), (b"007", -1), (b"1,02", -1), (b"1,,2", -1), (b"1,", -1),
+        (b",1", -1), (b"1 ]", 1),
+    ],
+)  # fmt: skip
+def test_ids_end_finds_where_plain_ids_end(ids: bytes, end: int) -> None:
+    assert ids_end(ids, 0, len(ids)) == end
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(st.binary(max_size=48).map(lambda b: bytes(b"0123456789,"[x % 11] for x in b)))
+def test_plain_ids_is_the_rule(ids: bytes) -> None:
+    assert plain_ids(ids) is (PLAIN.fullmatch(ids) is not None)
 
 
 class _Writer:

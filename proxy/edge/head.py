@@ -170,16 +170,9 @@ class DirectBody:
         cycle.chunked_encoding = start.chunked
         cycle.expected_content_length = start.length
         cycle.keep_alive = start.keep_alive
-        transport = cycle.transport
-        transport.writelines(start.parts)
+        cycle.transport.writelines(start.parts)
         if start.complete:
-            cycle.response_complete = True
-            cycle.message_event.set()
-            if not cycle.keep_alive:
-                transport.close()
-            # As ``send`` ends a response: the protocol starts a pipelined request, or arms
-            # the keep-alive timeout (without it a pipelined request waited forever).
-            cycle.on_response()
+            _complete(cycle)
         return True
 
     def direct(self) -> bool:
@@ -204,7 +197,7 @@ class DirectBody:
         (if any) and the last chunk in one write, the response complete. False, with nothing
         written, while the client's socket is full: ``send`` takes it, and drains first."""
         cycle = self.cycle
-        if cycle.response_complete or cycle.chunked_encoding is not True:
+        if not self.direct():
             return False  # not a direct response (ended already): ``send`` says what is wrong
         if cycle.disconnected:
             return True  # as ``send`` does: nothing is written, or ended, for a client gone
@@ -214,17 +207,24 @@ class DirectBody:
             cycle.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
         else:
             cycle.transport.write(_LAST_CHUNK)
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            cycle.transport.close()
-        cycle.on_response()
+        _complete(cycle)
         return True
 
     async def drain(self) -> None:
         cycle = self.cycle
         if not cycle.disconnected:
             await cycle.flow.drain()
+
+
+def _complete(cycle: RequestResponseCycle) -> None:
+    """The response's last bytes are written: end it as ``send`` ends one, and the protocol
+    starts a request pipelined behind it or arms the keep-alive timeout (``on_response``;
+    without it a pipelined request waited for ever)."""
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
 
 
 __all__ = ["DirectBody", "Start", "start_with_body"]

@@ -20,7 +20,6 @@ rewriting they protect read side by side.
 from __future__ import annotations
 
 import json
-import re
 from enum import StrEnum
 from typing import Any
 
@@ -236,16 +235,33 @@ _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason",
 _NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
-# Ids and commas as vLLM writes a ``token_ids`` list: each id digits, no leading zero, of a
-# sane length (a hostile upstream's 5,000-digit "id" is parsed, and refused there, not read).
-# One pass of the expression engine rather than a call per id, refusing junk at its first bad
-# byte.
-_RUN_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*")
+def ids_end(data: bytes, i: int, n: int) -> int:
+    """Where the ids from ``data[i]`` (before ``n``) end, as vLLM writes a ``token_ids`` list:
+    each id 1 to 18 digits (a hostile upstream's 5,000-digit "id" is parsed, and refused there,
+    not read), no leading zero, one comma between two. The index of the first other byte, or
+    -1 where the ids are not plain, found at the first bad byte. Indexing and comparisons,
+    which compiled code does itself (``Splice.take_chunk``)."""
+    digits = 0  # of the id being scanned
+    j = i
+    while j < n:
+        c = data[j]
+        if 0x30 <= c <= 0x39:
+            if digits == 18 or (digits == 1 and data[j - 1] == 0x30):
+                return -1
+            digits += 1
+        elif c != 0x2C:
+            break
+        elif digits:
+            digits = 0
+        else:
+            return -1  # a comma first, or after another
+        j += 1
+    return -1 if j > i and not digits else j
 
 
 def plain_ids(ids: bytes) -> bool:
     """Whether the bytes inside a ``token_ids`` list are ids and commas, as vLLM writes."""
-    return not ids or _RUN_IDS.fullmatch(ids) is not None
+    return ids_end(ids, 0, len(ids)) == len(ids)
 
 
 def strip_ids(event: bytes) -> bytes:
@@ -485,12 +501,14 @@ class Splice:
             return None
         n = len(chunk) - 7 - i
         if n:
-            raw = chunk[i + 1 : i + 1 + n]
-            # One plain id (``plain_ids``'s rule for one, spelled out: the common case), or
-            # several checked by the expression.
-            if not (one and n <= 18 and (n == 1 or raw[0] != 0x30)) and not plain_ids(raw):
+            # One plain id (``ids_end``'s rule for one, spelled out: the common case), or
+            # several, scanned.
+            first = chunk[i + 1]
+            if not (one and n <= 18 and (n == 1 or first != 0x30)) and (
+                ids_end(chunk, i + 1, i + 1 + n) != i + 1 + n
+            ):
                 return None
-            self.lists.append(raw)
+            self.lists.append(chunk[i + 1 : i + 1 + n])
         text = t > h
         if text:
             self.reasoning_open = False
@@ -532,23 +550,11 @@ class Splice:
                 k += 1
             if k >= n or k == stop + h or data[k - 1] == 0x5C or data[k : k + a + 1] != tail:
                 break
-            # The ids, plain (``plain_ids``'s rule, checked as they are scanned: each of 1 to
-            # 18 digits, no leading zero, one comma between two), then the event's end. An
-            # event with any other ids ends the run before it: it is parsed.
-            i0 = j = k + a + 1
-            digits = 0  # of the id being scanned
-            while j < n:
-                c = data[j]
-                if 0x30 <= c <= 0x39:
-                    if digits == 18 or (digits == 1 and data[j - 1] == 0x30):
-                        break
-                    digits += 1
-                elif c == 0x2C and digits:
-                    digits = 0
-                else:
-                    break
-                j += 1
-            if (j > i0 and not digits) or data[j : j + 6] != _TOKEN_CHUNK_END:
+            # The ids, plain (``ids_end``), then the event's end. An event with any other ids
+            # ends the run before it: it is parsed.
+            i0 = k + a + 1
+            j = ids_end(data, i0, n)
+            if j < 0 or data[j : j + 6] != _TOKEN_CHUNK_END:
                 break
             lists.append(data[i0:j])
             kept.append(data[stop : k + a])
