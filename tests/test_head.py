@@ -143,3 +143,28 @@ async def test_the_start_is_what_uvicorn_writes_or_none_where_it_raises(case: An
     # uvicorn closes a finished response's connection that is not kept alive; so does the cycle
     # (``edge/connection.py``) on ``complete`` and not ``keep_alive``.
     assert closed == (got.complete and not got.keep_alive)
+
+
+async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
+    """The writer holds its cycle weakly (the scope holds the writer and the cycle the scope):
+    once the request is over and the cycle freed, a late call writes nothing, as for a client
+    gone, and never fails."""
+    from proxy.edge.head import DirectBody
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    writer = DirectBody(cast_cycle(cycle))
+    assert writer.cycle is cycle
+    del cycle
+    assert writer.cycle is None
+    assert writer.start(lambda message: None, {"type": "http.response.start"}) is False
+    assert writer.direct() is False
+    assert writer.write_body(b"late") is True
+    assert writer.end(b"") is True
+    await asyncio.wait_for(writer.drain(), 5)
+
+
+def cast_cycle(obj: object) -> RequestResponseCycle:
+    return obj  # type: ignore[return-value]

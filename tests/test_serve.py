@@ -30,6 +30,7 @@ from proxy.edge.asgi_ext import (
 )
 from proxy.edge.connection import NoDelayHttpToolsProtocol
 from proxy.edge.endpoint import request_id_from
+from proxy.edge.head import MessageEvent
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
 
@@ -693,3 +694,73 @@ async def test_the_direct_end_is_the_end_send_writes_and_a_pipelined_request_fol
         check_framing(answer, "chunked", whole)
     heads = [{k: v for k, v in a.headers.items() if k != "date"} for a in answers]
     assert heads[0] == heads[1] == heads[2]
+
+
+# ---------------------------------------------------------------------------- the cycle's event
+
+
+@pytest.mark.parametrize("make", [asyncio.Event, MessageEvent], ids=["asyncio", "ours"])
+async def test_the_message_event_behaves_as_asyncios(make: Callable[[], Any]) -> None:
+    """The cycle's compiled event against asyncio.Event: the same steps, the same answers."""
+    event = make()
+    assert not event.is_set()
+    event.set()
+    assert event.is_set()
+    assert await asyncio.wait_for(event.wait(), 5) is True
+    event.clear()
+    assert not event.is_set()
+    # Two waiters, both woken by one set; a third, cancelled, is forgotten.
+    woken: list[int] = []
+
+    async def waiter(n: int) -> None:
+        await event.wait()
+        woken.append(n)
+
+    first, second = asyncio.create_task(waiter(1)), asyncio.create_task(waiter(2))
+    cancelled = asyncio.create_task(event.wait())
+    await asyncio.sleep(0)  # all three are waiting
+    assert not (first.done() or second.done() or cancelled.done())
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    event.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert sorted(woken) == [1, 2]
+    # Set, cleared before a waiter runs: it still wakes (as asyncio's: the set is what counts).
+    event.clear()
+    late = asyncio.create_task(waiter(3))
+    await asyncio.sleep(0)
+    event.set()
+    event.clear()
+    await asyncio.wait_for(late, 5)
+    assert woken[-1] == 3 and not event.is_set()
+
+
+async def test_a_relayed_request_leaves_no_cyclic_garbage() -> None:
+    """The scope holds the direct writer and the cycle the scope: the writer holds the cycle
+    weakly, so that a request's objects are freed by their counts when it ends (here with the
+    collector off), not left to the garbage collector."""
+    import gc
+    import weakref
+
+    cycles: list[weakref.ref[Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        writer = scope["extensions"][DIRECT_BODY]
+        cycles.append(weakref.ref(writer.cycle))
+        await send_start_with_body(scope, send, [], b"a", more_body=True)
+        assert writer.direct() and writer.write_body(b"b") and writer.end(b"c")
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        gc.collect()
+        gc.disable()
+        try:
+            answers = await exchange(url, *(get(f"/{n}") for n in range(20)))
+            assert [a.body for a in answers] == [b"abc"] * 20
+            await wait_until(
+                lambda: all(ref() is None for ref in cycles), what="every cycle freed"
+            )
+        finally:
+            gc.enable()
+    assert len(cycles) == 20

@@ -51,7 +51,7 @@ from proxy.edge.bounds import (
     on_timer,
     refusal_answer,
 )
-from proxy.edge.head import DirectBody
+from proxy.edge.head import DirectBody, MessageEvent
 from proxy.errors import HeadRefused
 from proxy.observe.metrics import Metrics
 
@@ -342,6 +342,8 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         if type(cycle) is RequestResponseCycle:
             cycle.__class__ = CoalescingCycle
         if type(cycle) is CoalescingCycle:
+            # Not awaited or set yet: the compiled event in its place (``MessageEvent``).
+            cycle.message_event = cast(asyncio.Event, MessageEvent())
             hook = ClientGoneHook()
             writer = cycle.direct_body = DirectBody(cycle)
             ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: writer}

@@ -1,6 +1,7 @@
 """A response's start and first body as uvicorn's httptools cycle writes them, in one compiled
 pass (``proxy/compiled.py``), for the ``START_WITH_BODY`` extension (``edge/connection.py``);
-and its further chunks, for the ``DIRECT_BODY`` extension (``DirectBody``).
+its further chunks, for the ``DIRECT_BODY`` extension (``DirectBody``); and the cycle's event
+(``MessageEvent``): the parts of each request's cycle that are compiled.
 
 uvicorn's ``RequestResponseCycle.send`` is interpreted: a relayed response's start and first
 body went through it twice (the start, then the body), with a regular expression per header
@@ -13,6 +14,8 @@ itself raise. ``tests/test_head.py`` holds the two to the same bytes and state.
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -129,12 +132,22 @@ class DirectBody:
     interpreted frame for every relayed chunk, in a callback between system calls that leave
     the caches cold; compiled, a chunk costs 1.5 µs less user CPU (paired, 256 paced
     streams, ``docs/benchmarks.md``). The cycle's attributes are read at each call: the
-    transport is swapped while ``CoalescingCycle.send`` collects a message's writes."""
+    transport is swapped while ``CoalescingCycle.send`` collects a message's writes.
 
-    __slots__ = ("cycle",)
+    The cycle is held by a weak reference: the scope holds the writer and the cycle the scope,
+    and a strong one closed the loop, so that every request's cycle, scope, writer and event
+    were left to the garbage collector (11 objects a request, and its collections) instead of
+    being freed when the request ends. A writer whose cycle is gone writes nothing, as for a
+    client gone."""
+
+    __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self.cycle = cycle
+        self._cycle = weakref.ref(cycle)
+
+    @property
+    def cycle(self) -> RequestResponseCycle | None:
+        return self._cycle()
 
     def start(self, send: Callable[..., Any], message: Mapping[str, Any]) -> bool:
         """Write a ``START_WITH_BODY`` start now, as the cycle's ``send`` would write it, and
@@ -144,7 +157,8 @@ class DirectBody:
         The relay's start then costs no interpreted coroutine (``Responder.send_start``)."""
         cycle = self.cycle
         if (
-            send != cycle.send
+            cycle is None
+            or send != cycle.send
             or message["type"] != "http.response.start"
             or cycle.response_started
             or cycle.disconnected
@@ -178,7 +192,8 @@ class DirectBody:
     def direct(self) -> bool:
         cycle = self.cycle
         return (
-            cycle.response_started
+            cycle is not None
+            and cycle.response_started
             and not cycle.response_complete
             and cycle.chunked_encoding is True
             and cycle.scope["method"] != "HEAD"
@@ -187,7 +202,7 @@ class DirectBody:
     def write_body(self, data: bytes) -> bool:
         # A client gone already is skipped as send skips it (its relay is being cancelled).
         cycle = self.cycle
-        if cycle.disconnected:
+        if cycle is None or cycle.disconnected:
             return True
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return not cycle.flow.write_paused
@@ -197,6 +212,8 @@ class DirectBody:
         (if any) and the last chunk in one write, the response complete. False, with nothing
         written, while the client's socket is full: ``send`` takes it, and drains first."""
         cycle = self.cycle
+        if cycle is None:
+            return True  # the request is over: nothing to end
         if not self.direct():
             return False  # not a direct response (ended already): ``send`` says what is wrong
         if cycle.disconnected:
@@ -212,8 +229,45 @@ class DirectBody:
 
     async def drain(self) -> None:
         cycle = self.cycle
-        if not cycle.disconnected:
+        if cycle is not None and not cycle.disconnected:
             await cycle.flow.drain()
+
+
+class MessageEvent:
+    """``asyncio.Event``'s ``set``, ``clear``, ``is_set`` and ``wait``, as the cycle's
+    ``message_event`` (uvicorn's ``send``, ``receive`` and protocol callbacks use those four;
+    ``edge/connection.py`` puts one in each cycle it serves): asyncio's is interpreted, and set
+    and awaited on every request."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> bool:
+        if self._set:
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+            return True
+        finally:
+            self._waiters.remove(waiter)
 
 
 def _complete(cycle: RequestResponseCycle) -> None:
@@ -227,4 +281,4 @@ def _complete(cycle: RequestResponseCycle) -> None:
     cycle.on_response()
 
 
-__all__ = ["DirectBody", "Start", "start_with_body"]
+__all__ = ["DirectBody", "MessageEvent", "Start", "start_with_body"]
