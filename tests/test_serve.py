@@ -758,9 +758,7 @@ async def test_a_relayed_request_leaves_no_cyclic_garbage() -> None:
         try:
             answers = await exchange(url, *(get(f"/{n}") for n in range(20)))
             assert [a.body for a in answers] == [b"abc"] * 20
-            await wait_until(
-                lambda: all(ref() is None for ref in cycles), what="every cycle freed"
-            )
+            await wait_until(lambda: all(ref() is None for ref in cycles), what="every cycle freed")
         finally:
             gc.enable()
     assert len(cycles) == 20
