@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy.edge.head import start_with_body
+from proxy.edge.head import DirectBody, start_with_body
 
 DEFAULT = [(b"date", b"Fri, 27 Nov 2026 21:13:43 GMT"), (b"server", b"uvicorn")]
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -149,13 +149,12 @@ async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
     """The writer holds its cycle weakly (the scope holds the writer and the cycle the scope):
     once the request is over and the cycle freed, a late call writes nothing, as for a client
     gone, and never fails."""
-    from proxy.edge.head import DirectBody
 
     class Cycle:
         pass
 
     cycle = Cycle()
-    writer = DirectBody(cast_cycle(cycle))
+    writer = DirectBody(cast(RequestResponseCycle, cycle))
     assert writer.cycle is cycle
     del cycle
     assert writer.cycle is None
@@ -164,7 +163,3 @@ async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
     assert writer.write_body(b"late") is True
     assert writer.end(b"") is True
     await asyncio.wait_for(writer.drain(), 5)
-
-
-def cast_cycle(obj: object) -> RequestResponseCycle:
-    return obj  # type: ignore[return-value]

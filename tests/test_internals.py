@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -157,6 +158,14 @@ def _histogram_child() -> None:
         assert callable(value.inc)
 
 
+def _message_event() -> None:
+    source = inspect.getsource(httptools_impl)
+    uses = set(re.findall(r"message_event\.(\w+)", source))
+    assert uses == {"set", "wait", "clear"}, f"message_event used as {sorted(uses)}"
+    source_has(HttpToolsProtocol.on_headers_complete, "message_event=asyncio.Event()")
+    assert "__weakref__" in {n for c in RequestResponseCycle.__mro__ for n in vars(c)}
+
+
 INTERNALS = [
     Internal(
         "aiohttp",
@@ -268,6 +277,14 @@ INTERNALS = [
             )
             and None
         ),
+    ),
+    Internal(
+        "uvicorn",
+        "the cycle's message_event: built in on_headers_complete and only set(), wait() and "
+        "clear()ed, by the protocol and the cycle; a cycle can be weakly referenced",
+        "proxy/edge/connection.py: a compiled MessageEvent put in its place right after the "
+        "cycle is built; proxy/edge/head.py DirectBody: holds its cycle weakly",
+        _message_event,
     ),
     Internal(
         "uvicorn",

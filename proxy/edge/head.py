@@ -136,9 +136,9 @@ class DirectBody:
 
     The cycle is held by a weak reference: the scope holds the writer and the cycle the scope,
     and a strong one closed the loop, so that every request's cycle, scope, writer and event
-    were left to the garbage collector (11 objects a request, and its collections) instead of
-    being freed when the request ends. A writer whose cycle is gone writes nothing, as for a
-    client gone."""
+    were left to the garbage collector (11 objects a request under ``gc.DEBUG_SAVEALL``, and the
+    collections they caused) instead of being freed by their counts once the request is over.
+    A writer whose cycle is gone writes nothing, as for a client gone."""
 
     __slots__ = ("_cycle",)
 
@@ -235,9 +235,9 @@ class DirectBody:
 
 class MessageEvent:
     """``asyncio.Event``'s ``set``, ``clear``, ``is_set`` and ``wait``, as the cycle's
-    ``message_event`` (uvicorn's ``send``, ``receive`` and protocol callbacks use those four;
-    ``edge/connection.py`` puts one in each cycle it serves): asyncio's is interpreted, and set
-    and awaited on every request."""
+    ``message_event`` (uvicorn's cycle and protocol call ``set``, ``wait`` and ``clear``;
+    ``edge/connection.py`` puts one in each cycle it serves, in place of the one uvicorn made):
+    asyncio's is interpreted, and set and awaited on every request."""
 
     __slots__ = ("_set", "_waiters")
 
