@@ -741,7 +741,7 @@ async def test_the_message_event_behaves_as_asyncios(make: Callable[[], Any]) ->
     assert woken[-1] == 3 and not event.is_set()
 
 
-async def test_a_relayed_request_leaves_no_cyclic_garbage() -> None:
+async def test_a_served_request_leaves_its_cycle_to_be_freed_by_its_count() -> None:
     """The scope holds the direct writer and the cycle the scope: the writer holds the cycle
     weakly, so that a served request's cycle is freed by its count when the request is over
     (here with the collector off), not left to the garbage collector."""

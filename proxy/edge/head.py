@@ -191,13 +191,7 @@ class DirectBody:
 
     def direct(self) -> bool:
         cycle = self.cycle
-        return (
-            cycle is not None
-            and cycle.response_started
-            and not cycle.response_complete
-            and cycle.chunked_encoding is True
-            and cycle.scope["method"] != "HEAD"
-        )
+        return cycle is not None and _direct(cycle)
 
     def write_body(self, data: bytes) -> bool:
         # A client gone already is skipped as send skips it (its relay is being cancelled).
@@ -214,7 +208,7 @@ class DirectBody:
         cycle = self.cycle
         if cycle is None:
             return True  # the request is over: nothing to end
-        if not self.direct():
+        if not _direct(cycle):
             return False  # not a direct response (ended already): ``send`` says what is wrong
         if cycle.disconnected:
             return True  # as ``send`` does: nothing is written, or ended, for a client gone
@@ -268,6 +262,16 @@ class MessageEvent:
             return True
         finally:
             self._waiters.remove(waiter)
+
+
+def _direct(cycle: RequestResponseCycle) -> bool:
+    """A started, chunked response, not complete and not a HEAD's: ``write_body`` may add to it."""
+    return (
+        cycle.response_started
+        and not cycle.response_complete
+        and cycle.chunked_encoding is True
+        and cycle.scope["method"] != "HEAD"
+    )
 
 
 def _complete(cycle: RequestResponseCycle) -> None:
