@@ -11,11 +11,14 @@ virtualenv.
 
     python -m loadtest.bench_ab --tree /tmp/before --tree . [--tree .:2] [--tree .:1:off]
         [--rounds 10] [--slice-s 1.5] [--continuation on|off] [--mode burst|paced]
+        [--prompt-tokens N]
 
 ``TREE:N`` runs that tree with N workers, ``TREE:N:off`` (or ``:on``) with continuation so
 whatever ``--continuation`` says. ``--mode burst`` (mocks sending a 64-token stream in one
 write), per slice: CPU ms per request and req/s at concurrency 64, TTFT p50 in ms at
-concurrency 1 (absolute: every gateway has the same mocks). ``--mode paced`` (mocks sending one
+concurrency 1 (absolute: every gateway has the same mocks); ``--prompt-tokens N`` sends a
+prompt of about N tokens instead of "hi" (the mocks send N prompt ids to a stream that asks for
+token ids, as vLLM does). ``--mode paced`` (mocks sending one
 token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
 user part of it alone (the kernel's network stack, the same work for every gateway, is the
 noisiest part of the whole) and ITL p99 in ms; this is how continuation's cost per chunk is
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice-s", type=float, default=1.5, help="burst mode's slices")
     parser.add_argument("--continuation", choices=("on", "off"), default="on")
     parser.add_argument("--mode", choices=("burst", "paced"), default="burst")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="burst: a prompt this long")
     args = parser.parse_args(argv)
     specs: list[Spec] = []
     for i, spec in enumerate(args.tree):
@@ -59,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(
             (label, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
         )
-    results = run(specs, args.mode, args.rounds, args.slice_s)
+    results = run(specs, args.mode, args.rounds, args.slice_s, args.prompt_tokens)
     columns = FIGURES[args.mode]
     first = specs[0][0]
     print(
         f"paired A/B, {args.mode}: {args.rounds} rounds, continuation {args.continuation} unless"
         f" the tree says; medians, and the median of paired differences from {first}"
+        + (f"; a {args.prompt_tokens}-token prompt" if args.prompt_tokens else "")
     )
     print(f"{'tree':<28} | " + " | ".join(f"{name:>16}" for name, _, _ in columns))
     for spec, *_ in specs:
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(
-    specs: list[Spec], mode: str, rounds: int, slice_s: float
+    specs: list[Spec], mode: str, rounds: int, slice_s: float, prompt_tokens: int = 0
 ) -> dict[str, dict[str, list[float]]]:
     """Every tree's gateway up at once over the same mocks; ``rounds`` alternated turns."""
     keys = [k for _, k, _ in FIGURES[mode]]
@@ -98,8 +103,8 @@ def run(
                 if mode == "paced":
                     figures = asyncio.run(_paced(port, pid))
                 else:
-                    many = asyncio.run(burst_run(port, 64, slice_s, pid)).summary()
-                    one = asyncio.run(burst_run(port, 1, slice_s, pid)).summary()
+                    many = asyncio.run(burst_run(port, 64, slice_s, pid, prompt_tokens)).summary()
+                    one = asyncio.run(burst_run(port, 1, slice_s, pid, prompt_tokens)).summary()
                     figures = {**many, "ttft_p50_ms": one["ttft_p50_ms"]}
                 for k in keys:
                     results[spec][k].append(figures[k])

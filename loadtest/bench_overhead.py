@@ -17,7 +17,10 @@ into its own virtualenv on first use) and Tokenlane (and, with ``--workers N``, 
 N workers; and, unless ``--continuation on``, Tokenlane with continuation off, every stream
 relayed plain) in one run over the same two mocks, and prints one table: added TTFT p50 at
 concurrency 1, req/s and CPU ms per request at concurrency 64, CPU µs per relayed chunk and
-added ITL p99 of 256 paced streams. CPU is each gateway's whole process tree.
+added ITL p99 of 256 paced streams, and added TTFT p50 at concurrency 1 with a 2,048-token
+prompt (``LONG_PROMPT_TOKENS``: the mocks send that many prompt ids to a stream that asks for
+token ids, as vLLM does, so an eligible stream's first chunk is as long as a real one's). CPU
+is each gateway's whole process tree.
 
 ``--workers N`` (without ``--peer``) runs the other modes' gateway with N workers.
 
@@ -65,12 +68,18 @@ WORKERS = 1  # --workers: the gateway's worker processes
 # ---------------------------------------------------------------------------- the client
 
 
-def stream_request(port: int) -> bytes:
-    """A 64-token streamed chat request, as bytes on the wire."""
+# The long prompt's run: about this many tokens (the mocks count 4 characters a token).
+LONG_PROMPT_TOKENS = 2048
+
+
+def stream_request(port: int, prompt_tokens: int = 0) -> bytes:
+    """A 64-token streamed chat request, as bytes on the wire; with ``prompt_tokens``, its
+    message that long (as the mocks count tokens), else "hi"."""
+    content = ("lorem ipsum dolor sit amet " * (prompt_tokens // 6 + 1))[: 4 * prompt_tokens]
     body = json.dumps(
         {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "hi"}],
+            "messages": [{"role": "user", "content": content or "hi"}],
             "stream": True,
             "max_tokens": 64,
         }
@@ -158,8 +167,10 @@ class BurstResult:
         }
 
 
-async def burst_run(port: int, concurrency: int, seconds: float, pid: int | None) -> BurstResult:
-    payload = stream_request(port)
+async def burst_run(
+    port: int, concurrency: int, seconds: float, pid: int | None, prompt_tokens: int = 0
+) -> BurstResult:
+    payload = stream_request(port, prompt_tokens)
     clients = [await connect(port) for _ in range(concurrency)]
     for c in clients:  # warm-up: connections and the gateway's pool
         await c.send(payload)
@@ -326,6 +337,13 @@ def run_peers(
                 for _ in range(repeat)
             ]
         )
+        long = LONG_PROMPT_TOKENS
+        direct_long = median_of(
+            [
+                asyncio.run(burst_run(burst_ports[0], 1, seconds, None, long)).summary()
+                for _ in range(repeat)
+            ]
+        )
         direct_paced = median_of(
             [asyncio.run(paced_run(paced_ports, 256, None)) for _ in range(repeat)]
         )
@@ -336,23 +354,30 @@ def run_peers(
                     c64 = [
                         asyncio.run(burst_run(g.port, 64, seconds, g.pid)) for _ in range(repeat)
                     ]
+                    c1_long = [
+                        asyncio.run(burst_run(g.port, 1, seconds, g.pid, long))
+                        for _ in range(repeat)
+                    ]
                 with start(paced_ports) as g:
                     paced = [asyncio.run(paced_run(g.port, 256, g.pid)) for _ in range(repeat)]
             except peers.PeerUnavailable as exc:
                 rows.append({"gateway": name, "unavailable": str(exc)})
                 continue
             one = median_of([r.summary() for r in c1])
+            one_long = median_of([r.summary() for r in c1_long])
             many = median_of([r.summary() for r in c64])
             p = median_of(paced)
             rows.append(
                 {
                     "gateway": name,
                     "added_ttft_p50_ms_c1": one["ttft_p50_ms"] - direct1["ttft_p50_ms"],
+                    "added_ttft_p50_ms_c1_long": one_long["ttft_p50_ms"]
+                    - direct_long["ttft_p50_ms"],
                     "rps_c64": many["rps"],
                     "cpu_ms_per_req_c64": many["cpu_ms_per_req"],
                     "cpu_us_per_chunk": p["cpu_us_per_chunk"],
                     "added_itl_p99_ms": p["itl_p99_ms"] - direct_paced["itl_p99_ms"],
-                    "errors": one["errors"] + many["errors"],
+                    "errors": one["errors"] + many["errors"] + one_long["errors"],
                 }
             )
     return rows
@@ -365,7 +390,7 @@ def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None
     )
     print(
         f"{'gateway':<17} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"
-        f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | err"
+        f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | {'+TTFT 2k prompt':>15} | err"
     )
     for r in rows:
         if "unavailable" in r:
@@ -374,9 +399,14 @@ def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None
         print(
             f"{r['gateway']:<17} | {r['added_ttft_p50_ms_c1']:>+10.2f} ms | {r['rps_c64']:>10.0f} |"
             f" {r['cpu_ms_per_req_c64']:>10.3f} | {r['cpu_us_per_chunk']:>12.1f} |"
-            f" {r['added_itl_p99_ms']:>+5.2f} ms | {int(r['errors'])}"
+            f" {r['added_itl_p99_ms']:>+5.2f} ms | {r['added_ttft_p50_ms_c1_long']:>+12.2f} ms |"
+            f" {int(r['errors'])}"
         )
-    print("(CPU: the gateway's whole process tree; +: over the same load sent to a mock direct)")
+    print("(CPU: the gateway's whole process tree; +: over the same load sent to a mock direct;")
+    print(
+        f" 2k prompt: c=1 with a {LONG_PROMPT_TOKENS}-token prompt, whose ids the mocks send to a"
+        " stream that asks for them, as vLLM does)"
+    )
 
 
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:

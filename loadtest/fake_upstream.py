@@ -17,9 +17,16 @@ that is not HTTP), ``cut_after`` (close the connection after that many content c
 extra body fields ``fake_interval_ms`` and ``fake_token_bytes`` (the gateway forwards unknown
 fields unchanged).
 
+A stream that asks for ``return_token_ids`` gets ids where vLLM puts them: the prompt's on the
+role chunk (a token per 4 characters of the messages' text, 10 at least, so a long prompt's
+first chunk is as long as vLLM's) and one on each content chunk.
+
 ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` take a multipart form as vLLM does
 and answer ``{"text": ...}``, or, when the form has ``stream=true``, an SSE stream of
 ``tokens`` transcription chunks paced like a chat stream (``cut_after`` applies too).
+
+Length: one job, vLLM's wire at the least cost; its modes, faults and endpoints share the one
+connection loop and chunk format.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import email
 import email.policy
+import functools
 import json
 import socket
 import struct
@@ -85,13 +93,17 @@ def _chunk(
 
 
 def stream_events(
-    tokens: int, usage: bool = False, token_bytes: int = 0, token_ids: bool = False
+    tokens: int,
+    usage: bool = False,
+    token_bytes: int = 0,
+    token_ids: bool = False,
+    prompt_tokens: int = 10,
 ) -> list[bytes]:
     """The events of a chat stream: role chunk, ``tokens`` content chunks, finish, [DONE];
-    with ``token_ids``, the ids vLLM sends for ``return_token_ids`` (10 prompt ids, one id per
-    content chunk)."""
+    with ``token_ids``, the ids vLLM sends for ``return_token_ids`` (``prompt_tokens`` prompt
+    ids, one id per content chunk)."""
     if token_ids:
-        events = [_chunk(0, None, ids=[], prompt_ids=list(range(1, 11)))]
+        events = [_chunk(0, None, ids=[], prompt_ids=list(range(1, prompt_tokens + 1)))]
     else:
         events = [_chunk(0, None)]
     if token_bytes:
@@ -104,7 +116,11 @@ def stream_events(
         ]
     events.append(_chunk(tokens + 1, "", "length", ids=[] if token_ids else None))
     if usage:
-        u = {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens}
+        u = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": tokens,
+            "total_tokens": prompt_tokens + tokens,
+        }
         obj = {
             "id": "chatcmpl-fake",
             "object": "chat.completion.chunk",
@@ -116,6 +132,23 @@ def stream_events(
         events.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+# A stream's events are made once per shape: made per request (a json.dumps per chunk, and a
+# 2,048-id role chunk at 0.4 ms), they cost this mock more with token ids than without, and a
+# benchmark would count that as the gateway's TTFT.
+_events_of = functools.lru_cache(maxsize=256)(stream_events)
+
+
+def count_prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's length in tokens as this mock counts them: a token per 4 characters of
+    the messages' text (or the prompt's), 10 at least (a chat template's own tokens)."""
+    prompt = body.get("prompt")
+    chars = len(prompt) if isinstance(prompt, str) else 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        chars += len(content) if isinstance(content, str) else 0
+    return max(10, chars // 4)
 
 
 def _plain(tokens: int) -> bytes:
@@ -295,11 +328,12 @@ class FakeUpstream:
             )
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = stream_events(
+        events = _events_of(
             tokens,
             usage,
             int(body.get("fake_token_bytes") or 0),
             token_ids=body.get("return_token_ids") is True,
+            prompt_tokens=count_prompt_tokens(body),
         )
         interval = float(body.get("fake_interval_ms", self.interval_s * 1000)) / 1000
         paced = interval > 0 or "fake_interval_ms" in body

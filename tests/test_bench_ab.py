@@ -3,11 +3,14 @@ for each with its paired differences (the figures are for people; no timing is a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from loadtest import bench_ab
+from loadtest.bench_overhead import LONG_PROMPT_TOKENS, stream_request
+from loadtest.fake_upstream import _events_of, count_prompt_tokens, stream_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +31,24 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     assert rows[0].count("(+0.000)") == 1 and rows[0].count("(+0)") == 1
     cells = [float(cell.split()[0]) for cell in rows[1].split(" | ")[1:]]
     assert len(cells) == 3 and all(figure > 0 for figure in cells), rows[1]
+
+
+def test_the_long_prompt_run_sends_a_prompt_whose_ids_the_mock_sends_back() -> None:
+    raw = stream_request(1, LONG_PROMPT_TOKENS)
+    body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    assert count_prompt_tokens(body) == LONG_PROMPT_TOKENS
+    assert count_prompt_tokens(json.loads(stream_request(1).split(b"\r\n\r\n", 1)[1])) == 10
+    assert count_prompt_tokens({"prompt": "x" * 400}) == 100
+    role = stream_events(2, token_ids=True, prompt_tokens=LONG_PROMPT_TOKENS)[0]
+    assert json.loads(role[6:])["prompt_token_ids"] == list(range(1, LONG_PROMPT_TOKENS + 1))
+    usage = stream_events(2, usage=True, prompt_tokens=300)[-2]
+    assert json.loads(usage[6:])["usage"]["prompt_tokens"] == 300
+
+
+def test_the_mock_makes_a_streams_events_once_per_shape() -> None:
+    # Made per request, they cost the mock ~0.8 ms each (more with token ids), which the
+    # benchmarks would count as the gateway's.
+    first = _events_of(64, False, 0, token_ids=True, prompt_tokens=10)
+    assert first is _events_of(64, False, 0, token_ids=True, prompt_tokens=10)
+    assert first == stream_events(64, False, 0, token_ids=True, prompt_tokens=10)
+    assert _events_of(64, False, 0, token_ids=True, prompt_tokens=11) != first
