@@ -29,6 +29,7 @@ from proxy.relay.continuation import (
     Refusal,
     Splice,
     Trigger,
+    decode_ids,
     eligibility,
     explain,
     forward_body,
@@ -36,6 +37,7 @@ from proxy.relay.continuation import (
 )
 from proxy.relay.reprefill import Reprefills, has_room
 from proxy.relay.resume import FIRST_CONTENT_ALONE_UP_TO, first_content_alone
+from proxy.relay.sse import parse_event
 
 from .gateway import (
     a_call,
@@ -178,6 +180,103 @@ def test_splice_replays_only_ids_that_produced_text_and_counts_the_rest() -> Non
     assert 99 not in sp.ids and sp.finish_reason is None
     sp.observe({"choices": [{"text": "b", "token_ids": [11]}]})
     assert sp.usage() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+_ROLE = (
+    b'{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"token_ids":[]}]'
+)
+
+
+@pytest.mark.parametrize(
+    ("event", "cut", "noted"),
+    [
+        # chat: at the top; completions: on the choice; spaces as json.dumps writes them
+        (b'data: {"id":"c","prompt_token_ids":[5,6,7],"choices":[]}', True, [5, 6, 7]),
+        (b'data: {"choices":[{"text":"a","prompt_token_ids":[5, 6],"token_ids":[9]}]}', True,
+         [5, 6]),
+        (b'data: {"prompt_token_ids":[],"choices":[]}', True, []),
+        # cut, but not ids: nothing to replay when a seam reads them
+        (b'data: {"prompt_token_ids":[1,{}],"choices":[]}', True, None),
+        (b'data: {"prompt_token_ids":[1.5],"choices":[]}', True, None),
+        # not where vLLM puts them: parsed whole, nothing noted
+        (b'data: {"x":{"prompt_token_ids":[1]},"choices":[]}', False, None),
+        # a "[" or a quote inside (the first "]" may not end the list): parsed whole
+        (b'data: {"prompt_token_ids":[1,[2]],"choices":[]}', False, None),
+        (b'data: {"prompt_token_ids":[1,"a]"],"choices":[]}', False, None),
+        # another null list: parsed whole, the top's ids noted as they were before
+        (b'data: {"x":{"prompt_token_ids":null},"prompt_token_ids":[1],"choices":[]}', False,
+         [1]),
+        # the key's text inside a string is escaped: never taken for the key
+        (b'data: {"c":"\\"prompt_token_ids\\":[1]","choices":[]}', False, None),
+        (b"data: [DONE]", False, None),
+    ],
+)  # fmt: skip
+def test_parse_keeps_the_prompt_ids_unparsed_and_returns_the_same_object(
+    event: bytes, cut: bool, noted: list[int] | None
+) -> None:
+    for wants_ids in (False, True):
+        sp = Splice("chat", {**BASE, "return_token_ids": wants_ids}, False)
+        got, shown = sp.parse(event)
+        want = parse_event(event)
+        if isinstance(want, dict):
+            sp.observe(got)  # a list parsed whole is noted here, as before
+        if cut:
+            for holder in (want, *want["choices"]):
+                if "prompt_token_ids" in holder:
+                    holder["prompt_token_ids"] = None  # where the cut ids were: null
+        assert got == want
+        assert sp.prompt_ids == noted
+        # The client gets the replica's bytes when it asked for ids, else the prompt's list
+        # nulled already (what is inside it is the gateway's to replay, never the client's).
+        if wants_ids or not cut:
+            assert shown == event
+        else:
+            at = event.index(b"[", event.index(b'"prompt_token_ids":'))
+            assert shown == event[:at] + b"null" + event[event.index(b"]", at) + 1 :]
+
+
+def test_prompt_ids_are_noted_once_and_a_later_list_is_dropped_unparsed() -> None:
+    sp = Splice("completion", {"prompt": "x", "stream": True}, False)
+    first, _ = sp.parse(
+        b'data: {"choices":[{"text":"a","prompt_token_ids":[1,2],"token_ids":[3]}]}'
+    )
+    later, _ = sp.parse(
+        b'data: {"choices":[{"text":"b","prompt_token_ids":[1,2,3],"token_ids":[4]}]}'
+    )
+    assert (
+        first["choices"][0]["prompt_token_ids"] is later["choices"][0]["prompt_token_ids"] is None
+    )
+    sp.observe(first)
+    sp.observe(later)
+    assert sp.prompt_ids == [1, 2] and sp.ids == [3, 4]
+
+
+def test_prompt_ids_that_are_not_ids_refuse_the_seam() -> None:
+    assert decode_ids(b"1, 2,3") == [1, 2, 3] and decode_ids(b"") == []
+    assert decode_ids(b"1,,2") is None and decode_ids(b"1.5") is None
+    sp = Splice("chat", BASE, False)
+    sp.observe(sp.parse(b'data: {"prompt_token_ids":[1,,2],' + _ROLE[1:] + b"}")[0])
+    sp.observe({"choices": [{"delta": {"content": "a"}, "token_ids": [7]}]})
+    assert sp.prompt_ids is None and sp.refusal(1, 100) is Refusal.NO_IDS
+
+
+def test_the_first_completion_chunk_carrying_prompt_ids_is_not_the_template() -> None:
+    sp = Splice("completion", {"prompt": "x", "stream": True}, False)
+    head = b'data: {"id":"x","object":"text_completion","created":1,"model":"m","choices":'
+    tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":'
+    first = head + b'[{"index":0,"text":"a' + tail + b'[1,2],"token_ids":[3]}]}'
+    second = head + b'[{"index":0,"text":"b' + tail + b'null,"token_ids":[4]}]}'
+    obj, _ = sp.parse(first)
+    sp.observe(obj)
+    sp.learn_template(first, obj)
+    assert sp.head is None
+    obj, _ = sp.parse(second)
+    sp.observe(obj)
+    sp.learn_template(second, obj)
+    assert sp.head is not None
+    third = second.replace(b'"text":"b', b'"text":"c').replace(b"[4]", b"[5]")
+    assert sp.take_chunk(third + b"\n\n", True) is not None
+    assert sp.prompt_ids == [1, 2] and sp.ids == [3, 4, 5]
 
 
 def test_max_tokens_reached_is_finished_not_continued() -> None:

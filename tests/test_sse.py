@@ -460,3 +460,28 @@ async def test_reads_ended_or_raised_are_over() -> None:
         with pytest.raises(StopAsyncIteration):
             await it.__anext__()
         assert inner.asked == 2
+
+
+@pytest.mark.parametrize(
+    ("data", "start", "want"),
+    [
+        (b"data: {}\n\n", 0, 8),
+        (b"data: {}\n\ndata: {}\n\n", 10, 18),
+        (b"data: {}\n", 0, -1),  # its end may be in the next read
+        (b"event: x\ndata: {}\n\n", 0, 17),  # a line end that does not end the event
+        (b"\n\n", 0, 0),
+        (b"a\nb\nc\n\n", 0, 5),
+        (b"a\n\n", 2, -1),  # from the second "\n": the pair is before it
+        (b"", 0, -1),
+    ],
+)
+def test_event_end_is_the_first_blank_line(data: bytes, start: int, want: int) -> None:
+    assert sse.event_end(data, start) == want == data.find(b"\n\n", start)
+
+
+def test_event_end_agrees_with_a_two_byte_search() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        data = bytes(rng.choice(b"ab\n") for _ in range(rng.randrange(12)))
+        start = rng.randrange(len(data) + 1)
+        assert sse.event_end(data, start) == data.find(b"\n\n", start), (data, start)

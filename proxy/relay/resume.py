@@ -178,7 +178,7 @@ class Resumer:
                                 events.advance(run[1])
                                 content = True
                             continue
-                        obj = sse.parse_event(ev)
+                        obj, shown = sp.parse(ev)
                         if obj is sse.DONE:
                             ended = True
                             out.append(b"data: [DONE]\n\n")
@@ -215,7 +215,7 @@ class Resumer:
                                 raise AttemptFault(Fault.ERROR_EVENT, f"{name} aborted the request")
                             trigger, why = cont.Trigger.ABORT, "the engine aborted the request"
                             break
-                        relayed, has_content = _noted(call, sp, ev, obj, strip)
+                        relayed, has_content = _noted(call, sp, ev, shown, obj, strip)
                         out.append(relayed)
                         content = content or has_content
                         if content and not call.started and alone:
@@ -643,23 +643,24 @@ class _TokenRelay(StreamFlow):
         if not chunk.endswith(b"\n\n") or chunk.find(b"\n\n", 0, end) >= 0:
             return None
         event = chunk[:end]
-        obj = sse.parse_event(event)
+        obj, shown = self.sp.parse(event)
         if not isinstance(obj, dict) or sse.is_error(obj):
             return None
         if self.sp.observe(obj) is not None:
             return None  # the abort, of which nothing was noted: the loop observes it again
-        return _noted(self.call, self.sp, event, obj, self.strip)
+        return _noted(self.call, self.sp, event, shown, obj, self.strip)
 
 
 def _noted(
-    call: Call, sp: cont.Splice, event: bytes, obj: dict[str, Any], strip: bool
+    call: Call, sp: cont.Splice, event: bytes, shown: bytes, obj: dict[str, Any], strip: bool
 ) -> tuple[bytes, bool]:
     """An eligible stream's event that is relayed as it is, observed already: the template
-    learned from it while there is none, its usage kept; (the event as the client gets it,
-    ``\\n\\n`` ended and its ids nulled when ``strip``, whether it carries content)."""
+    learned from it (``event``, as the replica sent it) while there is none, its usage kept;
+    (the event as the client gets it: ``shown``, as ``Splice.parse`` gave it, ``\\n\\n``
+    ended and its ids nulled when ``strip``; whether it carries content)."""
     if sp.head is None:
         sp.learn_template(event, obj)
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
-    return (cont.strip_ids(event) if strip else event) + b"\n\n", sse.carries_content(obj)
+    return (cont.strip_ids(shown) if strip else shown) + b"\n\n", sse.carries_content(obj)
