@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("burst", "paced"), default="burst")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="burst: a prompt this long")
     args = parser.parse_args(argv)
+    if args.prompt_tokens and args.mode != "burst":
+        parser.error("--prompt-tokens applies to --mode burst")
     specs: list[Spec] = []
     for i, spec in enumerate(args.tree):
         path, _, rest = spec.partition(":")

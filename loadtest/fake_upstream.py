@@ -103,7 +103,9 @@ def stream_events(
     with ``token_ids``, the ids vLLM sends for ``return_token_ids`` (``prompt_tokens`` prompt
     ids, one id per content chunk)."""
     if token_ids:
-        events = [_chunk(0, None, ids=[], prompt_ids=list(range(1, prompt_tokens + 1)))]
+        # Ids of a 150,000-token vocabulary's size, as long on the wire as a real prompt's.
+        prompt_ids = [100_000 + i for i in range(prompt_tokens)]
+        events = [_chunk(0, None, ids=[], prompt_ids=prompt_ids)]
     else:
         events = [_chunk(0, None)]
     if token_bytes:
@@ -134,10 +136,23 @@ def stream_events(
     return events
 
 
-# A stream's events are made once per shape: made per request (a json.dumps per chunk, and a
-# 2,048-id role chunk at 0.4 ms), they cost this mock more with token ids than without, and a
-# benchmark would count that as the gateway's TTFT.
-_events_of = functools.lru_cache(maxsize=256)(stream_events)
+def events_for(
+    tokens: int, usage: bool, token_bytes: int, token_ids: bool, prompt_tokens: int
+) -> list[bytes]:
+    """A stream's events (``stream_events``), made once per shape and shared: made per request
+    (a ``json.dumps`` per chunk) they cost this mock ~0.8 ms a request, which a benchmark would
+    count as the gateway's TTFT and which takes the cores the gateway shares. Tests replace
+    this to script a replica's answers."""
+    if not (token_ids or usage):
+        prompt_tokens = 10  # unused: one shape whatever the prompt
+    return _events_cached(tokens, usage, token_bytes, token_ids, prompt_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _events_cached(
+    tokens: int, usage: bool, token_bytes: int, token_ids: bool, prompt_tokens: int
+) -> list[bytes]:
+    return stream_events(tokens, usage, token_bytes, token_ids, prompt_tokens)
 
 
 def count_prompt_tokens(body: dict[str, Any]) -> int:
@@ -328,12 +343,12 @@ class FakeUpstream:
             )
             return
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = _events_of(
+        events = events_for(
             tokens,
             usage,
             int(body.get("fake_token_bytes") or 0),
-            token_ids=body.get("return_token_ids") is True,
-            prompt_tokens=count_prompt_tokens(body),
+            body.get("return_token_ids") is True,
+            count_prompt_tokens(body),
         )
         interval = float(body.get("fake_interval_ms", self.interval_s * 1000)) / 1000
         paced = interval > 0 or "fake_interval_ms" in body

@@ -203,9 +203,14 @@ _ROLE = (
         # a "[" or a quote inside (the first "]" may not end the list): parsed whole
         (b'data: {"prompt_token_ids":[1,[2]],"choices":[]}', False, None),
         (b'data: {"prompt_token_ids":[1,"a]"],"choices":[]}', False, None),
-        # another null list: parsed whole, the top's ids noted as they were before
+        # the key elsewhere too, however spelt its value: parsed whole, the top's ids noted
         (b'data: {"x":{"prompt_token_ids":null},"prompt_token_ids":[1],"choices":[]}', False,
          [1]),
+        (b'data: {"prompt_token_ids": null,"choices":[{"delta":{"prompt_token_ids":[7]}}]}',
+         False, None),
+        # an event of several lines (vLLM writes one): parsed whole, its data lines joined
+        (b'data: {"id":"c","prompt_token_ids":[1,2\n,9],"z":[4\ndata: ,3],"choices":[]}', False,
+         [1, 2, 3]),
         # the key's text inside a string is escaped: never taken for the key
         (b'data: {"c":"\\"prompt_token_ids\\":[1]","choices":[]}', False, None),
         (b"data: [DONE]", False, None),
@@ -853,7 +858,7 @@ async def test_a_busy_gateway_retries_an_error_after_the_first_token_in_the_same
     error = b'data: {"error":{"message":"engine died","type":"Error","param":null,"code":500}}'
     whole = fake.stream_events(5, token_ids=True)
     answers = [[*whole[:3], error + b"\n\n"], whole]  # role, 2 tokens, error; then all of it
-    monkeypatch.setattr(fake, "stream_events", lambda *a, **k: answers.pop(0))
+    monkeypatch.setattr(fake, "events_for", lambda *a, **k: answers.pop(0))
     async with running() as a, running() as b:
         policy = policy_for(
             {"a": [a.url], "b": [b.url]},
@@ -898,7 +903,7 @@ async def _continued(
     """A stream on replica ``a`` continued on ``b``, each answering the next of ``answers``
     (``a``'s cut after ``cut_after`` tokens, else sent in one write as ``b``'s is); the
     client's events and the continuation request ``b`` received."""
-    monkeypatch.setattr(fake, "stream_events", lambda *a, **k: answers.pop(0))
+    monkeypatch.setattr(fake, "events_for", lambda *a, **k: answers.pop(0))
     async with running() as a, running() as b:
         a.cut_after = cut_after
         policy = policy_for(

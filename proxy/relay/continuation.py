@@ -270,8 +270,9 @@ def plain_ids(ids: bytes) -> bool:
 # (the decoder makes an int of each: 64 µs for 2,048 here, against 1 µs for the rest of the
 # chunk), so ``Splice.parse`` cuts the list out as bytes, parses the rest, and the ids wait
 # until a seam reads them.
-_PROMPT_IDS = b'"prompt_token_ids":['
-_PROMPT_NULL = b'"prompt_token_ids":null'
+_PROMPT_KEY = b'"prompt_token_ids"'
+_PROMPT_IDS = _PROMPT_KEY + b":["
+_PROMPT_NULL = _PROMPT_KEY + b":null"
 
 
 def _cut_where_vllm_puts_them(obj: Any) -> bool:
@@ -406,15 +407,17 @@ class Splice:
         if at >= 0:
             start = at + len(_PROMPT_IDS)
             end = event.find(b"]", start)
-            # With no "[" or quote inside, the first "]" ends the list (whether what is inside
-            # is ids is judged when a seam decodes them); with no other null list, the one in
-            # the parsed object is this one.
+            # On the event's first line (vLLM writes an event as one), with no "[" or quote
+            # inside, the first "]" ends the list; with the key nowhere else, the null in the
+            # parsed object is this list's. Whether what is inside is ids (or even JSON) is
+            # judged when a seam decodes it: if not, the seam is refused (``no_ids``).
             if (
                 end > 0
+                and event.find(b"\n", 0, end) < 0
                 and event.find(b"[", start, end) < 0
                 and event.find(b'"', start, end) < 0
-                and event.find(_PROMPT_NULL, 0, at) < 0
-                and event.find(_PROMPT_NULL, end) < 0
+                and event.find(_PROMPT_KEY, 0, at) < 0
+                and event.find(_PROMPT_KEY, end) < 0
             ):
                 nulled = event[:at] + _PROMPT_NULL + event[end + 1 :]
                 obj = sse.parse_event(nulled)
