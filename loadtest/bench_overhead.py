@@ -330,42 +330,34 @@ def run_peers(
     if only:
         kinds = [k for k in kinds if k[0] in only]
     rows: list[dict[str, Any]] = []
+    long = LONG_PROMPT_TOKENS
+
+    def bursts(port: int, concurrency: int, pid: int | None, prompt: int = 0) -> dict[str, float]:
+        """The median of ``repeat`` burst runs."""
+        return median_of(
+            [
+                asyncio.run(burst_run(port, concurrency, seconds, pid, prompt)).summary()
+                for _ in range(repeat)
+            ]
+        )
+
     with mocks(0) as burst_ports, mocks(50) as paced_ports:
-        direct1 = median_of(
-            [
-                asyncio.run(burst_run(burst_ports[0], 1, seconds, None)).summary()
-                for _ in range(repeat)
-            ]
-        )
-        long = LONG_PROMPT_TOKENS
-        direct_long = median_of(
-            [
-                asyncio.run(burst_run(burst_ports[0], 1, seconds, None, long)).summary()
-                for _ in range(repeat)
-            ]
-        )
+        direct1 = bursts(burst_ports[0], 1, None)
+        direct_long = bursts(burst_ports[0], 1, None, long)
         direct_paced = median_of(
             [asyncio.run(paced_run(paced_ports, 256, None)) for _ in range(repeat)]
         )
         for name, start in kinds:
             try:
                 with start(burst_ports) as g:
-                    c1 = [asyncio.run(burst_run(g.port, 1, seconds, g.pid)) for _ in range(repeat)]
-                    c64 = [
-                        asyncio.run(burst_run(g.port, 64, seconds, g.pid)) for _ in range(repeat)
-                    ]
-                    c1_long = [
-                        asyncio.run(burst_run(g.port, 1, seconds, g.pid, long))
-                        for _ in range(repeat)
-                    ]
+                    one = bursts(g.port, 1, g.pid)
+                    many = bursts(g.port, 64, g.pid)
+                    one_long = bursts(g.port, 1, g.pid, long)
                 with start(paced_ports) as g:
                     paced = [asyncio.run(paced_run(g.port, 256, g.pid)) for _ in range(repeat)]
             except peers.PeerUnavailable as exc:
                 rows.append({"gateway": name, "unavailable": str(exc)})
                 continue
-            one = median_of([r.summary() for r in c1])
-            one_long = median_of([r.summary() for r in c1_long])
-            many = median_of([r.summary() for r in c64])
             p = median_of(paced)
             rows.append(
                 {
