@@ -411,3 +411,28 @@ async def test_a_body_ended_by_a_reset_is_cut_not_whole(client: UpstreamClient) 
         with pytest.raises(UpstreamClosed):
             await read_body(response)
         await response.aclose()
+
+
+async def test_the_chunks_of_one_read_reach_the_handler_in_one_call() -> None:
+    """A read holding several chunks of a pumped body is handed over whole, after its parse:
+    the relay writes the tokens that came at once in one write. Chunks split over reads come
+    as they came; what the handler declines is kept, in order, for the reader."""
+    loop = asyncio.get_running_loop()
+    conn = h1.H1Connection(loop)
+    conn.head = loop.create_future()
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    assert conn.head.done()
+    seen: list[bytes] = []
+
+    def handler(data: bytes) -> bytes | None:
+        seen.append(data)
+        return data if data.startswith(b"no") else None
+
+    conn.handler = handler
+    conn.data_received(chunk(b"a") + chunk(b"b") + chunk(b"c"))
+    conn.data_received(chunk(b"d")[:2])  # inside the size line: no body yet
+    conn.data_received(chunk(b"d")[2:] + chunk(b"e") + chunk(b"g")[:4])
+    assert seen == [b"abc", b"deg"]  # a chunk's bytes as they come, its end still to come
+    conn.data_received(b"\r\n" + chunk(b"no") + chunk(b"f") + b"0\r\n\r\n")
+    assert seen[-1] == b"nof" and conn.declined == b"nof" and conn.handler is None
+    assert conn.complete and not conn.chunks

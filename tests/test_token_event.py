@@ -393,7 +393,7 @@ def test_the_pump_handler_notes_and_writes_single_events_that_decide_nothing() -
     is written from the connection's callback (the loop's task is not woken): an ordinary
     token chunk unparsed, and parsed ones: a text holding a quote (no template for it), the
     finish, the usage. What the loop decides on is handed back untouched: [DONE], an error,
-    the engine's abort, a comment, two events in one read."""
+    the engine's abort, a comment, two events in one read that are not token chunks."""
     flow, sp, writer = _token_relay(wants_usage=True)
     quoted = chat_chunk('say "hi"', [7]) + b"\n\n"  # no template yet: parsed, and learns none
     first = chat_chunk(" a", [8]) + b"\n\n"  # parsed: the template is learned from it
@@ -416,9 +416,35 @@ def test_the_pump_handler_notes_and_writes_single_events_that_decide_nothing() -
         b'data: {"error":{"message":"engine died","type":"Error","param":null,"code":500}}\n\n',
         chat_chunk("", [], "abort") + b"\n\n",
         b": keep-alive\n\n",
-        plain + plain,
+        finish + last,
         plain[:-1],  # not a whole event yet
     ]
     for chunk in handed_back:
         assert flow(chunk) == chunk, chunk
     assert sp.ids == [7, 8, 9] and sp.finish_reason == "stop" and len(writer.written) == 5
+
+
+def test_token_chunks_that_came_in_one_read_go_out_in_one_write_and_the_rest_is_handed_back() -> (
+    None
+):
+    """Tokens that arrived together (the replica's socket read once for several) are taken
+    as the loop takes a burst (``take_run``): noted, ids hidden, written once, counted as one
+    content write; the events after them (the finish, [DONE]) are handed back to the loop,
+    and so is a read whose first event is not a token chunk."""
+    flow, sp, writer = _token_relay(wants_usage=False)
+    assert flow(chat_chunk(" a", [8]) + b"\n\n") is None  # the template is learned
+    tokens = [chat_chunk(f" t{i}", [10 + i]) + b"\n\n" for i in range(3)]
+    assert flow(b"".join(tokens)) is None
+    assert writer.written[1:] == [b"".join(strip_ids(t[:-2]) + b"\n\n" for t in tokens)]
+    assert sp.ids == [8, 10, 11, 12] and sp.text_ids == 4
+    assert flow.call.content_chunks == 2
+    finish = chat_chunk("", [], "stop") + b"\n\n"
+    tail = finish + b"data: [DONE]\n\n"
+    more = chat_chunk(" u", [20]) + b"\n\n"
+    assert flow(more + tail) == tail  # the token written, the rest to the loop
+    assert writer.written[2:] == [strip_ids(more[:-2]) + b"\n\n"]
+    assert sp.ids == [8, 10, 11, 12, 20] and sp.finish_reason is None
+    assert flow(finish + more) == finish + more  # a finish first: the loop's to take
+    half = more[:-1]
+    assert flow(more + half) == half  # a whole token, then one still coming
+    assert sp.ids == [8, 10, 11, 12, 20, 20] and len(writer.written) == 4

@@ -96,6 +96,7 @@ class H1Connection(asyncio.Protocol):
         self.read_timeout: float | None = None
         self.last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.batch: list[bytes] | None = None  # inside ``data_received``'s parse
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -114,19 +115,30 @@ class H1Connection(asyncio.Protocol):
             return
         self.got_bytes = True
         self.last_read = self.loop.time()
+        # A pumped body's pieces in this read (``on_body``) go to the handler together, after
+        # the parse: one call, and one write to the client, for the tokens that came at once.
+        batch: list[bytes] = []
+        self.batch = batch
+        error: Exception | None = None
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except (httptools.HttpParserUpgrade, httptools.HttpParserError) as exc:
+            error = exc
+        self.batch = None
+        if batch:
+            self._hand(batch[0] if len(batch) == 1 else b"".join(batch))
+        if error is None:
+            return
+        if isinstance(error, httptools.HttpParserUpgrade):
             self._fail(UpstreamNotHttp("the replica switched protocols"))
-        except httptools.HttpParserError as exc:
-            if self.complete:
-                # A message or garbage past the end (``on_message_begin`` stops the parse at a
-                # second message): the answer stands; the connection is not used again.
-                self.close()
-            elif not self.head.done():
-                self._fail(UpstreamNotHttp(f"not an HTTP answer: {exc}"))
-            else:
-                self._fail(UpstreamClosed(f"a broken body: {exc}"))
+        elif self.complete:
+            # A message or garbage past the end (``on_message_begin`` stops the parse at a
+            # second message): the answer stands; the connection is not used again.
+            self.close()
+        elif not self.head.done():
+            self._fail(UpstreamNotHttp(f"not an HTTP answer: {error}"))
+        else:
+            self._fail(UpstreamClosed(f"a broken body: {error}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -169,6 +181,14 @@ class H1Connection(asyncio.Protocol):
             self.on_message_complete()
 
     def on_body(self, body: bytes) -> None:
+        batch = self.batch
+        if batch is not None and self.handler is not None and self.declined is None:
+            batch.append(body)
+            return
+        self._hand(body)
+
+    def _hand(self, body: bytes) -> None:
+        """A body's bytes to the pump's handler, or kept for the reader."""
         handler = self.handler
         if handler is not None and self.declined is None:
             try:

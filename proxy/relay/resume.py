@@ -591,13 +591,14 @@ _FAULT_TRIGGER = {
 
 
 class _TokenRelay(StreamFlow):
-    """An eligible stream's reads after its start that are one event each and decide nothing:
-    an ordinary token chunk of the learned template (``Splice.take_chunk``, unparsed), or
-    another event the loop would only note and relay (parsed: a finish, usage, a text with a
-    quote). Noted, their ids hidden when the client did not ask, and written to the client at
-    once, without waking the relay's task. Anything else (``[DONE]``, an error, an abort,
-    several events in a read), and everything while the server offers no direct writer, is
-    handed back to ``Resumer.relay``'s loop."""
+    """An eligible stream's reads after its start that decide nothing: one ordinary token
+    chunk of the learned template (``Splice.take_chunk``, unparsed), one other event the loop
+    would only note and relay (parsed: a finish, usage, a text with a quote), or several token
+    chunks that came in one read (``Splice.take_run``, as the loop takes a burst; the events
+    after them are handed back). Noted, their ids hidden when the client did not ask, and
+    written to the client at once, without waking the relay's task. Anything else
+    (``[DONE]``, an error, an abort), and everything while the server offers no direct
+    writer, is handed back to ``Resumer.relay``'s loop."""
 
     __slots__ = ("events", "sp", "strip")
 
@@ -624,13 +625,22 @@ class _TokenRelay(StreamFlow):
         writer = self.writer
         if writer is None or not self.events.empty:
             return chunk
+        rest = b""
         token = self.sp.take_chunk(chunk, self.strip)
         if token is None and (token := self._parsed(chunk)) is None:
-            return chunk
+            # Several events in a read (tokens that came at once): its token chunks from the
+            # start in one write, as the loop takes a run; what follows them is handed back.
+            run = self.sp.take_run(chunk, 0, self.strip)
+            if run is None:
+                return chunk
+            token = (run[0], True)
+            rest = chunk[run[1] :]
         self.attempt.last_progress = t = now()
         room = writer.write_body(token[0])
         if token[1]:
             self.content(t)
+        if rest:
+            return rest
         return None if room else PAUSE
 
     def _parsed(self, chunk: bytes) -> tuple[bytes, bool] | None:
