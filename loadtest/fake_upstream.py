@@ -364,7 +364,11 @@ class FakeUpstream:
         stats.streaming += 1
         stats.max_streaming = max(stats.max_streaming, stats.streaming)
         try:
-            await self._paced(w, events, interval)
+            if interval > 0 and not self.first_token_delay_s and self.cut_after is None:
+                with self._noting_disconnects():
+                    await PacedWrites(w.transport, events, interval, stats).done
+            else:
+                await self._paced(w, events, interval)
         finally:
             stats.streaming -= 1
 
@@ -424,6 +428,78 @@ class FakeUpstream:
                     _cut(w)
                 await self._send_chunk(w, event)
             w.write(b"0\r\n\r\n")
+
+
+# A paced write that leaves more than this in the transport's buffer waits, as ``drain()``
+# waits, until the buffer is down to ``LOW_WATER``: asyncio's stream writer's defaults.
+HIGH_WATER = 65536
+LOW_WATER = 16384
+
+
+class PacedWrites:
+    """A paced stream written from timer callbacks: the same writes at the same times as
+    ``_paced`` (the role and first chunks at once, then one per ``interval``, the last right
+    after the one before it), held back the same way by a reader that does not read.
+
+    Why not ``_paced``'s coroutine: an ``asyncio.sleep`` and a ``drain()`` per token cost the
+    mock 30–45 µs of CPU a chunk, as much as the gateway it feeds, on the two cores they share
+    (``docs/benchmarks.md``, "Workers"). Used where no fault is asked for (no first-token
+    delay, no cut)."""
+
+    __slots__ = ("done", "events", "i", "interval", "loop", "stats", "transport")
+
+    def __init__(
+        self,
+        transport: asyncio.WriteTransport,
+        events: list[bytes],
+        interval: float,
+        stats: FakeStats,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport = transport
+        self.events = events
+        self.interval = interval
+        self.stats = stats
+        self.i = 0
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self.step()
+
+    def step(self) -> None:
+        transport = self.transport
+        if self.done.done():
+            return
+        if transport.is_closing():
+            self.done.set_exception(ConnectionResetError("the reader went away"))
+            return
+        events = self.events
+        i = self.i
+        event = events[i]
+        self.i = i = i + 1
+        self.stats.bytes_written += len(event)
+        transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        if i == len(events):
+            transport.write(b"0\r\n\r\n")
+            self.done.set_result(None)
+            return
+        if transport.get_write_buffer_size() > HIGH_WATER:
+            self.stats.drain_waits += 1
+            self.loop.call_later(0.001, self._drained)
+        else:
+            self._next()
+
+    def _drained(self) -> None:
+        if self.transport.is_closing() or self.transport.get_write_buffer_size() <= LOW_WATER:
+            self._next()
+        else:
+            self.loop.call_later(0.001, self._drained)
+
+    def _next(self) -> None:
+        # As ``_paced``: no pause before the first content chunk, nor before the last.
+        i = self.i
+        if i > 1 and i != len(self.events) - 1:
+            self.loop.call_later(self.interval, self.step)
+        else:
+            self.loop.call_soon(self.step)
 
 
 def _cut(w: asyncio.StreamWriter) -> NoReturn:

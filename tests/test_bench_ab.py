@@ -56,3 +56,60 @@ def test_the_mock_makes_a_streams_events_once_per_shape() -> None:
     assert events_for(64, False, 0, True, 11) != first
     # Without ids or usage the prompt's length changes nothing: one shape.
     assert events_for(64, False, 0, False, 11) is events_for(64, False, 0, False, 500)
+
+
+class _Transport:
+    """A write transport that records each write; its buffer is what ``buffered`` says."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.buffered = 0
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+async def test_the_mocks_paced_writes_are_the_coroutines_writes_at_the_same_pauses() -> None:
+    """``PacedWrites`` (the mock's paced streams without a fault) writes one HTTP chunk per
+    event, the role and first chunks at once, a pause before each later one but the last, then
+    the body's end; a full buffer holds the next write back until it drains, as ``drain()``
+    did; a reader gone ends the stream as a reset."""
+    import asyncio
+
+    from loadtest.fake_upstream import LOW_WATER, FakeStats, PacedWrites
+
+    events = [b"data: %d\n\n" % i for i in range(6)] + [b"data: [DONE]\n\n"]
+    loop = asyncio.get_running_loop()
+    t = _Transport()
+    stats = FakeStats()
+    start = loop.time()
+    paced = PacedWrites(t, events, 0.02, stats)  # type: ignore[arg-type]
+    await paced.done
+    assert t.writes == [b"%x\r\n%b\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
+    # Pauses before events 2, 3, 4 and 5: four intervals at least.
+    assert loop.time() - start >= 4 * 0.02 * 0.9  # (a timer may fire a clock tick early)
+    assert stats.bytes_written == sum(map(len, events)) and stats.drain_waits == 0
+
+    held = _Transport()
+    held.buffered = 70_000  # a reader that does not read
+    paced = PacedWrites(held, events, 0.001, stats)  # type: ignore[arg-type]
+    assert stats.drain_waits == 1 and len(held.writes) == 1
+    await asyncio.sleep(0.02)
+    assert len(held.writes) == 1  # held back while the buffer stays full
+    held.buffered = LOW_WATER
+    await paced.done
+    assert len(held.writes) == len(events) + 1
+
+    gone = _Transport()
+    paced = PacedWrites(gone, events, 0.001, FakeStats())  # type: ignore[arg-type]
+    gone.closing = True
+    with pytest.raises(ConnectionResetError):
+        await paced.done
+    assert len(gone.writes) == 1  # the role chunk went before it left

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loadtest.bench_workers import RateResult, arrived_by
 from loadtest.stats import (
     CONNECT_ERROR,
     HTTP_ERROR,
@@ -119,3 +120,14 @@ def test_result_json_row_summarises_inter_token_gaps():
     assert row["itl"]["n"] == 3 and row["itl"]["p50_s"] == pytest.approx(0.02)
     assert row["itl"]["max_s"] == pytest.approx(0.03)
     assert row["met_slo"] is True
+
+
+def test_the_scaling_benchmark_counts_the_chunks_that_came_within_the_window() -> None:
+    """``bench_workers``' delivered rate counts chunks by when they arrived, not the whole
+    streams begun while the load was offered (which made it step with how many streams each
+    client fitted in the window)."""
+    assert arrived_by([], 1.0) == 0
+    assert arrived_by([0.5, 1.0, 1.5, 2.0], 1.0) == 2  # one at the deadline counts
+    assert arrived_by([0.5, 0.9], 1.0) == 2 and arrived_by([1.1], 1.0) == 0
+    r = RateResult(chunks=400, in_window=300, window_s=10.0, seconds=13.0)
+    assert r.summary()["chunks_per_s"] == 30.0
