@@ -5,8 +5,8 @@ possible, so that a benchmark measures the gateway and not its upstream: raw asy
 keep-alive, vLLM's chunk format (``tests/fixtures/vllm_chat_stream.txt``). Two modes:
 
 - burst: the whole stream of ``tokens`` chunks in one write;
-- paced: one write per token, ``interval_s`` apart, each awaiting ``drain()`` so a slow reader
-  holds the writer back (backpressure is visible in ``stats``).
+- paced: one write per token, ``interval_s`` apart, each held back as ``drain()`` holds a
+  writer, so a slow reader holds the writer back (backpressure is visible in ``stats``).
 
 It records what it received (headers, bodies) and every connection that closed mid-response.
 Faults for relay tests: ``fail_status`` (answer every request with that status),
@@ -439,12 +439,13 @@ LOW_WATER = 16384
 class PacedWrites:
     """A paced stream written from timer callbacks: the same writes at the same times as
     ``_paced`` (the role and first chunks at once, then one per ``interval``, the last right
-    after the one before it), held back the same way by a reader that does not read.
+    after the one before it, then the body's end), held back the same way by a reader that does
+    not read, and ended as a reset when the reader is found gone after a write.
 
     Why not ``_paced``'s coroutine: an ``asyncio.sleep`` and a ``drain()`` per token cost the
-    mock 30–45 µs of CPU a chunk, as much as the gateway it feeds, on the two cores they share
+    mock 30–48 µs of CPU a chunk, as much as the gateway it feeds, on the two cores they share
     (``docs/benchmarks.md``, "Workers"). Used where no fault is asked for (no first-token
-    delay, no cut)."""
+    delay, no cut). ``loop``: the running loop unless given (a test's clock)."""
 
     __slots__ = ("done", "events", "i", "interval", "loop", "stats", "transport")
 
@@ -454,13 +455,14 @@ class PacedWrites:
         events: list[bytes],
         interval: float,
         stats: FakeStats,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.transport = transport
         self.events = events
         self.interval = interval
         self.stats = stats
-        self.i = 0
+        self.i = 0  # the next event to write
         self.done: asyncio.Future[None] = self.loop.create_future()
         self.step()
 
@@ -469,18 +471,12 @@ class PacedWrites:
         if self.done.done():
             return
         if transport.is_closing():
-            self.done.set_exception(ConnectionResetError("the reader went away"))
+            self._gone()
             return
-        events = self.events
-        i = self.i
-        event = events[i]
-        self.i = i = i + 1
-        self.stats.bytes_written += len(event)
+        event = self.events[self.i]
+        self.i += 1
         transport.write(b"%x\r\n%b\r\n" % (len(event), event))
-        if i == len(events):
-            transport.write(b"0\r\n\r\n")
-            self.done.set_result(None)
-            return
+        self.stats.bytes_written += len(event)
         if transport.get_write_buffer_size() > HIGH_WATER:
             self.stats.drain_waits += 1
             self.loop.call_later(0.001, self._drained)
@@ -488,18 +484,31 @@ class PacedWrites:
             self._next()
 
     def _drained(self) -> None:
-        if self.transport.is_closing() or self.transport.get_write_buffer_size() <= LOW_WATER:
+        transport = self.transport
+        if transport.is_closing() or transport.get_write_buffer_size() <= LOW_WATER:
             self._next()
         else:
             self.loop.call_later(0.001, self._drained)
 
     def _next(self) -> None:
-        # As ``_paced``: no pause before the first content chunk, nor before the last.
+        """After a write has drained: as ``_paced``, a reader gone is a reset; no pause before
+        the first content chunk, nor before the last."""
+        if self.done.done():
+            return
+        if self.transport.is_closing():
+            self._gone()
+            return
         i = self.i
-        if i > 1 and i != len(self.events) - 1:
+        if i == len(self.events):
+            self.transport.write(b"0\r\n\r\n")
+            self.done.set_result(None)
+        elif i > 1 and i != len(self.events) - 1:
             self.loop.call_later(self.interval, self.step)
         else:
             self.loop.call_soon(self.step)
+
+    def _gone(self) -> None:
+        self.done.set_exception(ConnectionResetError("the reader went away"))
 
 
 def _cut(w: asyncio.StreamWriter) -> NoReturn:

@@ -3,14 +3,25 @@ for each with its paired differences (the figures are for people; no timing is a
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from loadtest import bench_ab
 from loadtest.bench_overhead import LONG_PROMPT_TOKENS, stream_request
-from loadtest.fake_upstream import count_prompt_tokens, events_for, stream_events
+from loadtest.fake_upstream import (
+    HIGH_WATER,
+    LOW_WATER,
+    FakeStats,
+    PacedWrites,
+    count_prompt_tokens,
+    events_for,
+    stream_events,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,16 +69,42 @@ def test_the_mock_makes_a_streams_events_once_per_shape() -> None:
     assert events_for(64, False, 0, False, 11) is events_for(64, False, 0, False, 500)
 
 
-class _Transport:
-    """A write transport that records each write; its buffer is what ``buffered`` says."""
+class _Clock:
+    """The loop a ``PacedWrites`` schedules on, run by hand: callbacks in time order."""
 
     def __init__(self) -> None:
-        self.writes: list[bytes] = []
+        self.t = 0.0
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._n = 0
+
+    def create_future(self) -> asyncio.Future[None]:
+        return asyncio.Future(loop=asyncio.new_event_loop())
+
+    def call_soon(self, cb: Callable[[], None]) -> None:
+        self.call_later(0.0, cb)
+
+    def call_later(self, delay: float, cb: Callable[[], None]) -> None:
+        self._n += 1
+        heapq.heappush(self._due, (self.t + delay, self._n, cb))
+
+    def run(self, until: float = float("inf")) -> None:
+        while self._due and self._due[0][0] <= until:
+            self.t, _, cb = heapq.heappop(self._due)
+            cb()
+
+
+class _Transport:
+    """A write transport that records each write and the clock's time; its buffer holds what
+    ``buffered`` says."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        self.writes: list[tuple[float, bytes]] = []
         self.buffered = 0
         self.closing = False
 
     def write(self, data: bytes) -> None:
-        self.writes.append(data)
+        self.writes.append((self.clock.t, data))
 
     def get_write_buffer_size(self) -> int:
         return self.buffered
@@ -76,40 +113,53 @@ class _Transport:
         return self.closing
 
 
-async def test_the_mocks_paced_writes_are_the_coroutines_writes_at_the_same_pauses() -> None:
+EVENTS = [b"data: %d\n\n" % i for i in range(6)] + [b"data: [DONE]\n\n"]
+
+
+def test_the_mocks_paced_writes_are_the_coroutines_writes_at_the_same_pauses() -> None:
     """``PacedWrites`` (the mock's paced streams without a fault) writes one HTTP chunk per
-    event, the role and first chunks at once, a pause before each later one but the last, then
-    the body's end; a full buffer holds the next write back until it drains, as ``drain()``
-    did; a reader gone ends the stream as a reset."""
-    import asyncio
-
-    from loadtest.fake_upstream import LOW_WATER, FakeStats, PacedWrites
-
-    events = [b"data: %d\n\n" % i for i in range(6)] + [b"data: [DONE]\n\n"]
-    loop = asyncio.get_running_loop()
-    t = _Transport()
+    event as ``_paced`` does: the role and first chunks at once, a pause before each later one
+    but the last, then the body's end."""
+    clock = _Clock()
+    t = _Transport(clock)
     stats = FakeStats()
-    start = loop.time()
-    paced = PacedWrites(t, events, 0.02, stats)  # type: ignore[arg-type]
-    await paced.done
-    assert t.writes == [b"%x\r\n%b\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
-    # Pauses before events 2, 3, 4 and 5: four intervals at least.
-    assert loop.time() - start >= 4 * 0.02 * 0.9  # (a timer may fire a clock tick early)
-    assert stats.bytes_written == sum(map(len, events)) and stats.drain_waits == 0
+    paced = PacedWrites(t, EVENTS, 0.05, stats, loop=clock)  # type: ignore[arg-type]
+    clock.run()
+    assert [data for _, data in t.writes] == [b"%x\r\n%b\r\n" % (len(e), e) for e in EVENTS] + [
+        b"0\r\n\r\n"
+    ]
+    assert [round(at, 3) for at, _ in t.writes] == [0, 0, 0.05, 0.1, 0.15, 0.2, 0.2, 0.2]
+    assert paced.done.result() is None
+    assert stats.bytes_written == sum(map(len, EVENTS)) and stats.drain_waits == 0
 
-    held = _Transport()
-    held.buffered = 70_000  # a reader that does not read
-    paced = PacedWrites(held, events, 0.001, stats)  # type: ignore[arg-type]
-    assert stats.drain_waits == 1 and len(held.writes) == 1
-    await asyncio.sleep(0.02)
-    assert len(held.writes) == 1  # held back while the buffer stays full
+
+def test_the_mocks_paced_writes_wait_for_a_full_buffer_and_end_when_the_reader_is_gone() -> None:
+    """A write that leaves the buffer full holds the next back until it drains to the low
+    mark, as ``drain()`` did; a reader found gone after a write, or before the next, ends the
+    stream as a reset and nothing more is written."""
+    clock = _Clock()
+    held = _Transport(clock)
+    held.buffered = HIGH_WATER + 1  # a reader that does not read
+    stats = FakeStats()
+    paced = PacedWrites(held, EVENTS, 0.01, stats, loop=clock)  # type: ignore[arg-type]
+    clock.run(until=1.0)
+    assert stats.drain_waits == 1 and len(held.writes) == 1  # a second, still held back
     held.buffered = LOW_WATER
-    await paced.done
-    assert len(held.writes) == len(events) + 1
+    clock.run()
+    assert len(held.writes) == len(EVENTS) + 1 and paced.done.result() is None
+    assert held.writes[1][0] >= 1.0  # written once the buffer drained
 
-    gone = _Transport()
-    paced = PacedWrites(gone, events, 0.001, FakeStats())  # type: ignore[arg-type]
-    gone.closing = True
-    with pytest.raises(ConnectionResetError):
-        await paced.done
-    assert len(gone.writes) == 1  # the role chunk went before it left
+    # Gone: at once (the role chunk written), after the third write, and while a full buffer
+    # holds the fourth back.
+    for run_until, full, written in ((None, False, 1), (0.01, False, 3), (0.02, True, 4)):
+        clock = _Clock()
+        gone = _Transport(clock)
+        paced = PacedWrites(gone, EVENTS, 0.01, FakeStats(), loop=clock)  # type: ignore[arg-type]
+        if run_until is not None:
+            clock.run(until=run_until - 0.001)
+            gone.buffered = HIGH_WATER + 1 if full else 0
+            clock.run(until=run_until + 0.005)
+        gone.closing = True
+        clock.run()
+        assert isinstance(paced.done.exception(), ConnectionResetError)
+        assert len(gone.writes) == written

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -436,3 +437,26 @@ async def test_the_chunks_of_one_read_reach_the_handler_in_one_call() -> None:
     conn.data_received(b"\r\n" + chunk(b"no") + chunk(b"f") + b"0\r\n\r\n")
     assert seen[-1] == b"nof" and conn.declined == b"nof" and conn.handler is None
     assert conn.complete and not conn.chunks
+
+
+def _noted_in(seen: list[bytes], data: bytes) -> None:
+    seen.append(data)
+
+
+async def test_a_reads_body_reaches_the_handler_before_the_error_found_after_it() -> None:
+    """A pumped read that holds a chunk and then a broken one, or a second answer after the
+    end, hands the chunk to the handler first; then the answer fails (a broken body) or stands
+    (the connection is not used again), as when each chunk was handed over on its own."""
+    loop = asyncio.get_running_loop()
+    for tail, broken in ((b"zz\r\nbad\r\n", True), (b"0\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", False)):
+        conn = h1.H1Connection(loop)
+        conn.head = loop.create_future()
+        conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        seen: list[bytes] = []
+        conn.handler = functools.partial(_noted_in, seen)
+        conn.data_received(chunk(b"x") + tail)
+        assert seen == [b"x"]
+        if broken:
+            assert isinstance(conn.error, UpstreamClosed) and "broken body" in str(conn.error)
+        else:
+            assert conn.complete and conn.error is None and conn.closed

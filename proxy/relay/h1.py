@@ -43,9 +43,10 @@ from proxy.errors import (
 HIGH_WATER = 256 * 1024
 _CRLF = b"\r\n"
 
-# A pumped chunk's handler returns None to go on; anything else stops the pump and is what
-# ``pump`` returns: the chunk itself when the handler declines it (the caller reads it the slow
-# way), or ``PAUSE`` when it took the chunk but the client's socket is full.
+# A pumped chunk's handler (given what one read brought of the body) returns None to go on;
+# anything else stops the pump and is what ``pump`` returns: the bytes it did not take (the
+# chunk itself when it declines it, or what follows the part it took), which the caller reads
+# the slow way, or ``PAUSE`` when it took the chunk but the client's socket is full.
 Handler = Callable[[bytes], "bytes | None"]
 PAUSE = b""
 
@@ -301,9 +302,9 @@ class H1Connection(asyncio.Protocol):
             await self._wait()
 
     async def pump(self, handler: Handler) -> bytes | None:
-        """Hand each body chunk to ``handler`` as it arrives, synchronously. Returns what the
-        handler returned instead of None (it declined that chunk, or asks for a pause: its
-        business), or None at the body's end. Chunks read before come first."""
+        """Hand the body to ``handler`` as it arrives, synchronously, what one read brought in
+        one call. Returns what the handler returned instead of None (the bytes it did not take,
+        or a pause: its business), or None at the body's end. Chunks read before come first."""
         if self.declined == PAUSE:  # a pause a cancelled pump never returned: over
             self.declined = None
         while True:

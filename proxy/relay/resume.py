@@ -640,6 +640,8 @@ class _TokenRelay(StreamFlow):
         if token[1]:
             self.content(t)
         if rest:
+            # To the loop, which writes it and drains a full client socket before the handler
+            # writes again (the socket's state goes with the next write, not this return).
             return rest
         return None if room else PAUSE
 
