@@ -118,7 +118,10 @@ class H1Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         # A pumped body's pieces in this read (``on_body``) go to the handler together, after
         # the parse: one call, and one write to the client, for the tokens that came at once.
-        batch: list[bytes] = []
+        # Only while a handler waits (nothing during the parse sets one): other reads make no list.
+        batch: list[bytes] | None = None
+        if self.handler is not None and self.declined is None:
+            batch = []
         self.batch = batch
         error: Exception | None = None
         try:
@@ -183,7 +186,7 @@ class H1Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         batch = self.batch
-        if batch is not None and self.handler is not None and self.declined is None:
+        if batch is not None:
             batch.append(body)
             return
         self._hand(body)
