@@ -15,7 +15,9 @@ configuration is repeated and the median printed.
 ``--peer`` runs the same load through nginx (when installed), vllm-router (PyPI, installed
 into its own virtualenv on first use) and Tokenlane (and, with ``--workers N``, Tokenlane with
 N workers; and, unless ``--continuation on``, Tokenlane with continuation off, every stream
-relayed plain) in one run over the same two mocks, and prints one table: added TTFT p50 at
+relayed plain) in one run over the same two mocks, all started at once and measured in turns
+(each round every gateway and the direct baseline once, the order turned each round), and
+prints one table of the rounds' medians: added TTFT p50 at
 concurrency 1, req/s and CPU ms per request at concurrency 64, CPU µs per relayed chunk and
 added ITL p99 of 256 paced streams, and added TTFT p50 at concurrency 1 with a 2,048-token
 prompt (``LONG_PROMPT_TOKENS``: the mocks send that many prompt ids to a stream that asks for
@@ -315,9 +317,15 @@ def mocks(interval_ms: float) -> Iterator[list[int]]:
 def run_peers(
     seconds: float, repeat: int, workers: int, only: list[str] | None = None, plain: bool = True
 ) -> list[dict[str, Any]]:
-    """Every gateway over the same mocks, one after the other in this run (module docstring).
-    ``plain``: Tokenlane also with continuation off, every stream relayed plain (continuation
-    on, the default, makes every stream of this load eligible, which costs per chunk)."""
+    """Every gateway over the same mocks, in one run (module docstring). ``plain``: Tokenlane
+    also with continuation off, every stream relayed plain (continuation on, the default,
+    makes every stream of this load eligible, which costs per chunk).
+
+    Every gateway is started before the first measurement, and the rows are measured in
+    turns: each round measures the direct baseline and every gateway once, in an order turned
+    by one each round (``turn``), and a row's figures are the medians of its rounds. Measured
+    one gateway after another, the machine's drift over the minutes between rows fell on one
+    row and not another (the same gateway read 0.375 and 0.426 ms a request in two runs)."""
     kinds: list[tuple[str, Any]] = [
         ("nginx", gateways.nginx),
         ("vllm-router", gateways.vllm_router),
@@ -329,56 +337,85 @@ def run_peers(
         kinds.append((f"tokenlane x{workers}", lambda ups: gateways.tokenlane(ups, workers)))
     if only:
         kinds = [k for k in kinds if k[0] in only]
-    rows: list[dict[str, Any]] = []
     long = LONG_PROMPT_TOKENS
 
-    def bursts(port: int, concurrency: int, pid: int | None, prompt: int = 0) -> dict[str, float]:
-        """The median of ``repeat`` burst runs."""
-        return median_of(
-            [
-                asyncio.run(burst_run(port, concurrency, seconds, pid, prompt)).summary()
-                for _ in range(repeat)
-            ]
-        )
+    def burst(port: int, concurrency: int, pid: int | None, prompt: int = 0) -> dict[str, float]:
+        return asyncio.run(burst_run(port, concurrency, seconds, pid, prompt)).summary()
 
-    with mocks(0) as burst_ports, mocks(50) as paced_ports:
-        direct1 = bursts(burst_ports[0], 1, None)
-        direct_long = bursts(burst_ports[0], 1, None, long)
-        direct_paced = median_of(
-            [asyncio.run(paced_run(paced_ports, 256, None)) for _ in range(repeat)]
-        )
+    with contextlib.ExitStack() as stack:
+        burst_ports = stack.enter_context(mocks(0))
+        paced_ports = stack.enter_context(mocks(50))
+        # name -> (the gateway over the burst mocks, the one over the paced mocks)
+        started: dict[str, tuple[gateways.Running, gateways.Running]] = {}
+        unavailable: dict[str, str] = {}
         for name, start in kinds:
             try:
-                with start(burst_ports) as g:
-                    one = bursts(g.port, 1, g.pid)
-                    many = bursts(g.port, 64, g.pid)
-                    one_long = bursts(g.port, 1, g.pid, long)
-                with start(paced_ports) as g:
-                    paced = [asyncio.run(paced_run(g.port, 256, g.pid)) for _ in range(repeat)]
+                with contextlib.ExitStack() as both:
+                    pair = (
+                        both.enter_context(start(burst_ports)),
+                        both.enter_context(start(paced_ports)),
+                    )
+                    stack.enter_context(both.pop_all())
+                started[name] = pair
             except peers.PeerUnavailable as exc:
-                rows.append({"gateway": name, "unavailable": str(exc)})
-                continue
-            p = median_of(paced)
-            rows.append(
-                {
-                    "gateway": name,
-                    "added_ttft_p50_ms_c1": one["ttft_p50_ms"] - direct1["ttft_p50_ms"],
-                    "added_ttft_p50_ms_c1_long": one_long["ttft_p50_ms"]
-                    - direct_long["ttft_p50_ms"],
-                    "rps_c64": many["rps"],
-                    "cpu_ms_per_req_c64": many["cpu_ms_per_req"],
-                    "cpu_us_per_chunk": p["cpu_us_per_chunk"],
-                    "added_itl_p99_ms": p["itl_p99_ms"] - direct_paced["itl_p99_ms"],
-                    "errors": one["errors"] + many["errors"] + one_long["errors"],
-                }
-            )
+                unavailable[name] = str(exc)
+        samples: dict[str, dict[str, list[dict[str, float]]]] = {
+            name: {"one": [], "many": [], "long": [], "paced": []} for name in [DIRECT, *started]
+        }
+        for r in range(repeat):
+            for name in turn([DIRECT, *started], r):
+                s = samples[name]
+                if name == DIRECT:
+                    s["one"].append(burst(burst_ports[0], 1, None))
+                    s["long"].append(burst(burst_ports[0], 1, None, long))
+                    s["paced"].append(asyncio.run(paced_run(paced_ports, 256, None)))
+                    continue
+                b, p = started[name]
+                s["one"].append(burst(b.port, 1, b.pid))
+                s["many"].append(burst(b.port, 64, b.pid))
+                s["long"].append(burst(b.port, 1, b.pid, long))
+                s["paced"].append(asyncio.run(paced_run(p.port, 256, p.pid)))
+    direct = {k: median_of(v) for k, v in samples[DIRECT].items() if v}
+    rows: list[dict[str, Any]] = []
+    for name, _ in kinds:
+        if name in unavailable:
+            rows.append({"gateway": name, "unavailable": unavailable[name]})
+            continue
+        one, many, one_long, paced = (
+            median_of(samples[name][k]) for k in ("one", "many", "long", "paced")
+        )
+        rows.append(
+            {
+                "gateway": name,
+                "added_ttft_p50_ms_c1": one["ttft_p50_ms"] - direct["one"]["ttft_p50_ms"],
+                "added_ttft_p50_ms_c1_long": one_long["ttft_p50_ms"]
+                - direct["long"]["ttft_p50_ms"],
+                "rps_c64": many["rps"],
+                "cpu_ms_per_req_c64": many["cpu_ms_per_req"],
+                "cpu_us_per_chunk": paced["cpu_us_per_chunk"],
+                "added_itl_p99_ms": paced["itl_p99_ms"] - direct["paced"]["itl_p99_ms"],
+                "errors": sum(
+                    x["errors"] for k in ("one", "many", "long") for x in samples[name][k]
+                ),
+            }
+        )
     return rows
+
+
+DIRECT = "direct"  # the baseline's name among the peers' rounds
+
+
+def turn(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` turned by ``r``, so that each is measured first, second,
+    ... as often as the others over as many rounds as there are names."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None:
     print(
         f"peers, one run, the same two mocks: burst {seconds:g}s runs and 256 paced streams"
-        f" (64 tokens, 50 ms apart), median of {repeat}"
+        f" (64 tokens, 50 ms apart), all started, measured in turns: median of {repeat} rounds"
     )
     print(
         f"{'gateway':<17} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"

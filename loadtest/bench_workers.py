@@ -3,7 +3,10 @@ Tokenlane with 1 and N workers, in one run over the same mocks and the same load
 
 Each stream is 64 tokens, one write per token, ``--interval-ms`` apart (50: 20 chunks/s a
 stream), so a rate of R chunks/s is R / 20 streams kept open: each client sends its next
-stream as soon as one ends, for ``--seconds``. Per rate and target the run prints the chunks/s
+stream as soon as one ends. The clients' first streams start spread over one stream's life
+(3.2 s), so streams begin at the steady rate the load implies (R / 64 a second), not all at
+once every 3.2 s; the run is measured for ``--seconds`` from when the last client has begun.
+Per rate and target the run prints the chunks/s
 delivered, the added inter-token latency (p50/p99/max, over the direct run at the same rate),
 the CPU per delivered chunk of every process (gateway tree, load generator, mocks) and the
 streams that failed (a connection lost or an answer without ``[DONE]``).
@@ -36,8 +39,10 @@ from . import gateways
 from .bench_overhead import MODEL, StreamClient, connect, mock_processes, mocks, request_bytes
 from .procs import descendants, tree_cpu_seconds, tree_rss_mb
 
+TOKENS = 64  # a stream's tokens (``mock_processes`` sends as many)
 
-def paced_request(port: int, tokens: int = 64) -> bytes:
+
+def paced_request(port: int, tokens: int = TOKENS) -> bytes:
     body = json.dumps(
         {
             "model": MODEL,
@@ -52,6 +57,26 @@ def paced_request(port: int, tokens: int = 64) -> bytes:
 def arrived_by(arrivals: list[float], deadline: float) -> int:
     """How many of a stream's chunks (their arrival times, in order) came by ``deadline``."""
     return bisect.bisect_right(arrivals, deadline)
+
+
+def windowed(arrivals: list[float], begin: float, deadline: float) -> tuple[int, int, list[float]]:
+    """One stream's share of a window that opens at ``begin`` (when every client has begun)
+    and closes at ``deadline``: its chunks that came from ``begin`` on (the CPU is measured
+    from then), those of them that came by ``deadline`` (the delivered rate), and the gaps in
+    ms before each chunk that came from ``begin`` on (a gap spanning ``begin`` included)."""
+    first = bisect.bisect_left(arrivals, begin)
+    gaps = [(arrivals[i] - arrivals[i - 1]) * 1000 for i in range(max(first, 1), len(arrivals))]
+    return len(arrivals) - first, arrived_by(arrivals, deadline) - first, gaps
+
+
+def start_delay(i: int, concurrency: int, spread_s: float) -> float:
+    """When client ``i`` sends its first stream: the clients' starts spread evenly over
+    ``spread_s`` (one stream's life), so that streams begin at the steady rate the offered
+    load implies (concurrency / stream life) and keep doing so as each client sends its next
+    stream when one ends. Started within a few milliseconds, as they were, every stream
+    ended and began again together: at 20,000 chunks/s a thousand requests in one instant
+    every 3.2 s, which was what the added ITL p99 measured (``docs/benchmarks.md``)."""
+    return spread_s * i / concurrency
 
 
 def own_cpu_s() -> float:
@@ -91,21 +116,34 @@ class RateResult:
 
 
 async def offered(
-    ports: list[int], concurrency: int, seconds: float, pids: dict[str, list[int]]
+    ports: list[int],
+    concurrency: int,
+    seconds: float,
+    pids: dict[str, list[int]],
+    spread_s: float = 0.0,
 ) -> RateResult:
-    """``concurrency`` clients, each sending paced streams back to back for ``seconds``."""
+    """``concurrency`` clients, each sending paced streams back to back, their first starts
+    spread over ``spread_s`` (``start_delay``); measured for ``seconds`` from when the last
+    client has begun (the load then steady): chunks, gaps and CPU from then on."""
     result = RateResult()
     clients: list[StreamClient] = []
     for i in range(concurrency):
         clients.append(await connect(ports[i % len(ports)]))
     payloads = [paced_request(ports[i % len(ports)]) for i in range(concurrency)]
-    cpu0 = {name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()}
-    own0 = own_cpu_s()
     start = time.perf_counter()
-    deadline = start + seconds
-    result.window_s = seconds
+    deadline = start + spread_s + seconds
+    cpu0: dict[str, float] = {}
+    own0 = [0.0]
+    opened = [start]  # when the window opened (the CPU's first reading)
 
-    async def client(c: StreamClient, payload: bytes) -> None:
+    def open_window() -> None:
+        opened[0] = time.perf_counter()
+        cpu0.update({name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()})
+        own0[0] = own_cpu_s()
+
+    async def client(i: int) -> None:
+        c, payload = clients[i], payloads[i]
+        await asyncio.sleep(start_delay(i, concurrency, spread_s))
         c.record_arrivals = True
         while time.perf_counter() < deadline:
             c.arrivals = []
@@ -114,23 +152,24 @@ async def offered(
             except ConnectionError:
                 result.failed += 1
                 return
-            a = c.arrivals  # send() returned: the stream ended with [DONE]
+            chunks, in_window, gaps = windowed(c.arrivals, opened[0], deadline)
             result.streams += 1
-            result.chunks += len(a)
-            result.in_window += arrived_by(a, deadline)
-            result.gaps_ms.extend((a[i] - a[i - 1]) * 1000 for i in range(1, len(a)))
+            result.chunks += chunks
+            result.in_window += in_window
+            result.gaps_ms.extend(gaps)
 
-    # Staggered starts: streams that all begin in one instant beat in step for their life.
-    async def staggered(i: int) -> None:
-        await asyncio.sleep((i % 50) * 0.001)
-        await client(clients[i], payloads[i])
+    async def window() -> None:
+        await asyncio.sleep(spread_s)
+        open_window()
 
-    await asyncio.gather(*(staggered(i) for i in range(concurrency)))
-    result.seconds = time.perf_counter() - start
+    await asyncio.gather(window(), *(client(i) for i in range(concurrency)))
+    end = time.perf_counter()
+    result.seconds = end - opened[0]
+    result.window_s = deadline - opened[0]
     result.cpu_s = {
         name: sum(tree_cpu_seconds(p) for p in ps) - cpu0[name] for name, ps in pids.items()
     }
-    result.cpu_s["generator"] = own_cpu_s() - own0
+    result.cpu_s["generator"] = own_cpu_s() - own0[0]
     for c in clients:
         if c.transport is not None:
             c.transport.close()
@@ -141,6 +180,7 @@ def run_rates(
     rates: list[int], workers: int, seconds: float, interval_ms: float
 ) -> list[dict[str, Any]]:
     per_stream = 1000.0 / interval_ms
+    stream_s = TOKENS * interval_ms / 1000  # one stream's life: the starts' spread
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         ports, mock_pids = stack.enter_context(mock_processes(interval_ms))
@@ -153,12 +193,12 @@ def run_rates(
             for name, n in targets:
                 pids: dict[str, list[int]] = {"mocks": mock_pids}
                 if n is None:
-                    res = asyncio.run(offered(ports, concurrency, seconds, pids))
+                    res = asyncio.run(offered(ports, concurrency, seconds, pids, stream_s))
                 else:
                     with gateways.tokenlane(ports, n) as g:
                         _warm(g.port)
                         pids["gateway"] = [g.pid]
-                        res = asyncio.run(offered([g.port], concurrency, seconds, pids))
+                        res = asyncio.run(offered([g.port], concurrency, seconds, pids, stream_s))
                 row[name] = res.summary()
             rows.append(row)
     return rows
@@ -298,7 +338,8 @@ def _rundir(supervisor_pid: int) -> str:
 def print_rates(rows: list[dict[str, Any]], seconds: float, interval_ms: float) -> None:
     cores = os.cpu_count() or 1
     print(
-        f"paced streams, 64 tokens {interval_ms:g} ms apart, {seconds:g}s per rate, {cores} cores"
+        f"paced streams, {TOKENS} tokens {interval_ms:g} ms apart, starts spread over a stream's"
+        f" life, {seconds:g}s per rate once all began, {cores} cores"
     )
     print(
         f"{'offered':>8} {'target':<14} | {'chunks/s':>8} | {'ITL p50':>7} {'p99':>7} {'max':>7}"

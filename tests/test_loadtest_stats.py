@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_workers import RateResult, arrived_by
+from loadtest.bench_overhead import turn
+from loadtest.bench_workers import RateResult, arrived_by, start_delay, windowed
 from loadtest.stats import (
     CONNECT_ERROR,
     HTTP_ERROR,
@@ -131,3 +132,28 @@ def test_the_scaling_benchmark_counts_the_chunks_that_came_within_the_window() -
     assert arrived_by([0.5, 0.9], 1.0) == 2 and arrived_by([1.1], 1.0) == 0
     r = RateResult(chunks=400, in_window=300, window_s=10.0, seconds=13.0)
     assert r.summary()["chunks_per_s"] == 30.0
+
+
+def test_the_scaling_benchmark_measures_from_when_every_client_has_begun() -> None:
+    """``bench_workers`` spreads its clients' first streams over a stream's life and opens its
+    window when the last has begun: chunks and gaps before it are not the steady load's."""
+    assert [start_delay(i, 4, 3.2) for i in range(4)] == pytest.approx([0.0, 0.8, 1.6, 2.4])
+    # A stream that began before the window, ended after its deadline.
+    chunks, in_window, gaps = windowed([0.5, 1.0, 1.5, 2.0, 2.5], begin=1.2, deadline=2.0)
+    assert (chunks, in_window) == (3, 2)  # 1.5, 2.0, 2.5 from the window on; 2.5 after it
+    assert gaps == pytest.approx([500.0, 500.0, 500.0])  # the gap spanning the opening counts
+    assert windowed([0.1, 0.2], begin=1.0, deadline=2.0) == (0, 0, [])  # over before it opened
+    chunks, in_window, gaps = windowed([1.0, 1.1], begin=0.5, deadline=2.0)
+    assert (chunks, in_window) == (2, 2) and gaps == pytest.approx([100.0])  # first: no gap
+
+
+def test_the_peers_are_measured_in_turns() -> None:
+    """``bench_overhead --peer`` measures every gateway once a round, each round's order turned
+    by one: over as many rounds as gateways, each is measured in every place once."""
+    names = ["direct", "nginx", "router", "tokenlane"]
+    rounds = [turn(names, r) for r in range(4)]
+    assert rounds[0] == names and rounds[1] == ["nginx", "router", "tokenlane", "direct"]
+    for place in range(4):
+        assert sorted(r[place] for r in rounds) == sorted(names)
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert turn(names, 5) == rounds[1] and turn([], 3) == []

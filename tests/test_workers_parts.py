@@ -4,6 +4,10 @@ and rate-limit buckets), admission over a shared ledger, and the metrics merge."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +23,14 @@ from proxy.policyfile import build_policy
 from proxy.routing.admission import Admission
 from proxy.workers.board import Board
 from proxy.workers.link import BoardLedger, BoardRateLimiter
-from proxy.workers.supervisor import auto_workers, cgroup_cpus
+from proxy.workers.supervisor import (
+    auto_workers,
+    bind,
+    cgroup_cpus,
+    listener,
+    spreads_connections,
+    worker_listener,
+)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +71,71 @@ def boards(tmp_path: Path) -> Iterator[tuple[Board, Board, Board]]:
     yield parent, w0, w1
     for b in (w0, w1, parent):
         b.close()
+
+
+@pytest.mark.skipif(not spreads_connections(), reason="the kernel spreads no connections here")
+def test_each_worker_listens_on_its_own_socket_and_connections_are_spread() -> None:
+    """``listener`` holds the port without listening; each worker's ``worker_listener`` listens
+    on a socket of its own there (``SO_REUSEPORT``), and the connections of a client that
+    opens many at once are spread over them. The port stays refused to anyone else, and a
+    worker's socket closed (the worker died) leaves the others every new connection."""
+    held = listener("127.0.0.1", 0, 2)
+    socks: list[socket.socket] = []
+    clients: list[socket.socket] = []
+    try:
+        port = held.getsockname()[1]
+        assert port and not held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        for _ in range(2):
+            passed = socket.socket(fileno=os.dup(held.fileno()))  # as a worker inherits it
+            socks.append(worker_listener(passed))
+            assert passed.fileno() == -1  # closed: the worker keeps only its own
+        assert [s.getsockname()[1] for s in socks] == [port, port]
+        # Another serve on the port (or anything else) is refused, as with one socket.
+        with pytest.raises(OSError) as exc:
+            listener("127.0.0.1", port, 2)
+        assert exc.value.errno == errno.EADDRINUSE
+        with pytest.raises(OSError):
+            bind("127.0.0.1", port)
+
+        def accepted(n: int) -> list[int]:
+            for _ in range(n):
+                clients.append(socket.create_connection(("127.0.0.1", port)))
+            counts = []
+            for sock in socks:
+                sock.setblocking(False)
+                count = 0
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        sock.accept()[0].close()
+                        count += 1
+                counts.append(count)
+            return counts
+
+        # Hashed over the two: each has some (a split of 200 as bad as 40/160 has odds below
+        # 1e-17); on one shared socket the first worker awake took them all.
+        counts = accepted(200)
+        assert sum(counts) == 200 and min(counts) >= 40
+        socks.pop().close()  # a worker gone: the other takes every new connection
+        assert accepted(50) == [50]
+    finally:
+        for c in clients:
+            c.close()
+        for sock in socks:
+            sock.close()
+        held.close()
+
+
+def test_one_worker_listens_on_the_socket_it_is_passed_and_a_port_in_use_is_refused() -> None:
+    """One worker (or a kernel that spreads nothing): one listening socket, used as passed."""
+    one = listener("127.0.0.1", 0, 1)
+    try:
+        assert one.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        assert worker_listener(one) is one
+        with pytest.raises(OSError) as exc:
+            listener("127.0.0.1", one.getsockname()[1], 2)
+        assert exc.value.errno == errno.EADDRINUSE
+    finally:
+        one.close()
 
 
 def test_a_name_has_one_row_in_every_process(boards: tuple[Board, Board, Board]) -> None:

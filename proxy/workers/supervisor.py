@@ -1,9 +1,18 @@
 """``tokenlane serve --workers N``: the parent process that keeps N workers serving one port.
 
-The supervisor binds the listening socket once and starts N worker processes
-(``tokenlane worker``) that all accept on it; the kernel spreads connections over them. It
-creates the run directory (the board, ``proxy.workers.board``, and the workers' sockets,
-``proxy.workers.mesh``) and removes it at the end. It handles no request.
+The supervisor binds the port (``listener``) and starts N worker processes (``tokenlane
+worker``) that accept on it; it creates the run directory (the board,
+``proxy.workers.board``, and the workers' sockets, ``proxy.workers.mesh``) and removes it at
+the end. It handles no request.
+
+- On Linux each worker listens on a socket of its own on the port (``SO_REUSEPORT``, as
+  Envoy's workers and nginx's ``reuseport`` do) and the kernel hashes each new connection to
+  one of them: connections are spread evenly. On one listening socket shared by all (still
+  the way elsewhere), whichever worker woke first took every connection waiting, and a client
+  opening a thousand keep-alive connections at once left up to 69 % of them on one worker of
+  two for their whole life (``docs/workers.md``). The supervisor holds the port with a socket
+  that does not listen, so the port stays the serve's while workers come and go; a worker
+  that dies takes its socket with it, and new connections go to the others at once.
 
 - A worker that dies is started again under the same index; its column of the board is
   zeroed the moment its death is seen (within ``REAP_S``), so what it held (in-flight
@@ -96,14 +105,57 @@ def workers_for(setting: int | str) -> int:
 # ---------------------------------------------------------------------------- the parent
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if listen:
+            sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
+
+
+def spreads_connections() -> bool:
+    """Whether listening sockets sharing a port with ``SO_REUSEPORT`` share its connections:
+    Linux hashes each to one of them; elsewhere the option only lets them bind (on macOS the
+    last one bound takes every connection)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def listener(host: str, port: int, count: int) -> socket.socket:
+    """The serve's socket on ``host:port`` (0: a free port), passed to every worker: where the
+    kernel spreads connections over sockets sharing a port (``spreads_connections``) and
+    there are several workers, a socket that holds the port without listening, beside which
+    each worker listens on its own (``worker_listener``); else the one listening socket.
+
+    The port is first bound by a socket without ``SO_REUSEPORT``, as a single socket is: a
+    port another process serves is refused as "address in use", even by a group of the same
+    user's that ours could join; and the port, once held, refuses any later bind without
+    ``SO_REUSEPORT`` (a second ``tokenlane serve`` on it fails as it always did)."""
+    if count <= 1 or not spreads_connections():
+        return bind(host, port)
+    probe = bind(host, port, listen=False)
+    port = probe.getsockname()[1]  # the port asked for, or the free one given for 0
+    probe.close()
+    return bind(host, port, reuse_port=True, listen=False)
+
+
+def worker_listener(passed: socket.socket) -> socket.socket:
+    """A worker's listening socket, from the one its supervisor passed (``listener``): that
+    one when it listens (shared by all workers), else one of the worker's own on its port."""
+    if passed.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        return passed
+    host, port = passed.getsockname()[:2]
+    own = bind(host, port, reuse_port=True)
+    passed.close()
+    return own
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -299,7 +351,7 @@ def _exit_words(code: int) -> str:
 
 def supervise(policy: Policy, count: int, worker_args: Sequence[str]) -> int:
     """Run ``count`` workers on the policy's port until a signal stops them all."""
-    sock = bind(policy.server.host, policy.server.port)
+    sock = listener(policy.server.host, policy.server.port, count)
     supervisor = Supervisor(count, worker_args, sock, run_dir())
     log.info(
         "tokenlane listening on http://%s:%d with %d workers (%d pools, %d lanes; request path %s)",
@@ -316,4 +368,12 @@ def supervise(policy: Policy, count: int, worker_args: Sequence[str]) -> int:
         supervisor.close()
 
 
-__all__ = ["Supervisor", "auto_workers", "cgroup_cpus", "supervise", "workers_for"]
+__all__ = [
+    "Supervisor",
+    "auto_workers",
+    "cgroup_cpus",
+    "listener",
+    "supervise",
+    "worker_listener",
+    "workers_for",
+]
