@@ -419,7 +419,7 @@ def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None
     )
     print(
         f"{'gateway':<17} | {'+TTFT p50 c=1':>13} | {'req/s c=64':>10} | {'CPU ms/req':>10} |"
-        f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | {'+TTFT 2k prompt':>15} | err"
+        f" {'CPU us/chunk':>12} | {'+ITL p99':>8} | {'+TTFT 2k prompt':>15} | err (all rounds)"
     )
     for r in rows:
         if "unavailable" in r:

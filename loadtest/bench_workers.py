@@ -131,13 +131,14 @@ async def offered(
         clients.append(await connect(ports[i % len(ports)]))
     payloads = [paced_request(ports[i % len(ports)]) for i in range(concurrency)]
     start = time.perf_counter()
-    deadline = start + spread_s + seconds
+    begin = start + spread_s  # the window opens: every client has begun
+    deadline = begin + seconds
     cpu0: dict[str, float] = {}
     own0 = [0.0]
-    opened = [start]  # when the window opened (the CPU's first reading)
+    read_at = [start]  # when the CPU was first read (the window's opening, a sleep late)
 
     def open_window() -> None:
-        opened[0] = time.perf_counter()
+        read_at[0] = time.perf_counter()
         cpu0.update({name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()})
         own0[0] = own_cpu_s()
 
@@ -152,7 +153,7 @@ async def offered(
             except ConnectionError:
                 result.failed += 1
                 return
-            chunks, in_window, gaps = windowed(c.arrivals, opened[0], deadline)
+            chunks, in_window, gaps = windowed(c.arrivals, begin, deadline)
             result.streams += 1
             result.chunks += chunks
             result.in_window += in_window
@@ -164,8 +165,8 @@ async def offered(
 
     await asyncio.gather(window(), *(client(i) for i in range(concurrency)))
     end = time.perf_counter()
-    result.seconds = end - opened[0]
-    result.window_s = deadline - opened[0]
+    result.seconds = end - read_at[0]
+    result.window_s = seconds
     result.cpu_s = {
         name: sum(tree_cpu_seconds(p) for p in ps) - cpu0[name] for name, ps in pids.items()
     }

@@ -38,7 +38,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from proxy.edge.serve import serve_worker
     from proxy.workers.link import WorkerPlace
-    from proxy.workers.supervisor import end_with_supervisor, worker_listener
+    from proxy.workers.supervisor import end_with_supervisor
 
     if not end_with_supervisor(args.supervisor):
         print("tokenlane worker: its supervisor is gone", file=sys.stderr)
@@ -56,7 +56,7 @@ def _worker(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         _print_problems(source, exc)
         return 1
-    sock = worker_listener(socket.socket(fileno=args.fd))
+    sock = socket.socket(fileno=args.fd)
     return serve_worker(
         policy, policy_path=str(args.config), place=place, sock=sock, log_level=args.log_level
     )

@@ -130,6 +130,15 @@ async def serve_workers(
                 os.kill(pid, signal.SIGKILL)
 
 
+def _exited(pid: int) -> bool:
+    """The process has exited (a zombie, its files closed, or reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def _leftover(serve: Serve) -> list[int]:
     """Workers still alive after their supervisor ended (there must be none)."""
     out = []
@@ -238,6 +247,9 @@ async def test_a_killed_worker_comes_back_and_what_it_held_is_free_at_once(tmp_p
                 counted = await serve.worker_metric(victim, "tokenlane_requests_total")
                 assert counted >= 1
                 os.kill(victim_pid, signal.SIGKILL)
+                # Its listening socket goes with it: until then a new connection could be
+                # hashed to it and reset (``docs/workers.md``).
+                await wait_until(lambda: _exited(victim_pid), what="the killed worker gone")
 
                 # Its slot is free again: a new stream starts while the other long one runs.
                 async with httpx.AsyncClient(timeout=60) as own:

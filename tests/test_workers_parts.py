@@ -4,10 +4,11 @@ and rate-limit buckets), admission over a shared ledger, and the metrics merge."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
+import select
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,12 +25,11 @@ from proxy.routing.admission import Admission
 from proxy.workers.board import Board
 from proxy.workers.link import BoardLedger, BoardRateLimiter
 from proxy.workers.supervisor import (
+    Listeners,
     auto_workers,
     bind,
     cgroup_cpus,
-    listener,
     spreads_connections,
-    worker_listener,
 )
 
 
@@ -73,69 +73,93 @@ def boards(tmp_path: Path) -> Iterator[tuple[Board, Board, Board]]:
         b.close()
 
 
+def _accepted(socks: list[socket.socket], n: int) -> list[int]:
+    """Accept ``n`` connections from ``socks`` (as their workers would): how many each took.
+    Waits for each (a loaded machine finishes a handshake late), with a wide deadline."""
+    counts = [0] * len(socks)
+    deadline = time.monotonic() + 30
+    while sum(counts) < n and time.monotonic() < deadline:
+        ready, _, _ = select.select(socks, [], [], 0.5)
+        for sock in ready:
+            conn, _ = sock.accept()
+            conn.close()
+            counts[socks.index(sock)] += 1
+    return counts
+
+
+def _as_inherited(sock: socket.socket) -> socket.socket:
+    """The copy a worker started with ``sock`` holds (its supervisor's is closed after)."""
+    return socket.socket(fileno=os.dup(sock.fileno()))
+
+
 @pytest.mark.skipif(not spreads_connections(), reason="the kernel spreads no connections here")
-def test_each_worker_listens_on_its_own_socket_and_connections_are_spread() -> None:
-    """``listener`` holds the port without listening; each worker's ``worker_listener`` listens
-    on a socket of its own there (``SO_REUSEPORT``), and the connections of a client that
-    opens many at once are spread over them. The port stays refused to anyone else, and a
-    worker's socket closed (the worker died) leaves the others every new connection."""
-    held = listener("127.0.0.1", 0, 2)
-    socks: list[socket.socket] = []
+def test_each_worker_listens_on_a_socket_of_its_own_and_connections_are_spread() -> None:
+    """``Listeners``: a listening socket per worker on one port (``SO_REUSEPORT``), bound
+    before any worker starts, the supervisor's copy closed once the worker has it. A client
+    that opens many connections at once has them spread over the workers; a worker gone takes
+    its socket along and the others get every new connection; the worker started in its
+    place gets a new one. The port is refused to anyone else from the start."""
+    listeners = Listeners("127.0.0.1", 0, 2)
+    port = listeners.port
+    workers: list[socket.socket] = []
     clients: list[socket.socket] = []
     try:
-        port = held.getsockname()[1]
-        assert port and not held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        assert port
+        # Before any worker has started, and after: another serve, or any plain bind, is
+        # refused, as with one socket.
         for _ in range(2):
-            passed = socket.socket(fileno=os.dup(held.fileno()))  # as a worker inherits it
-            socks.append(worker_listener(passed))
-            assert passed.fileno() == -1  # closed: the worker keeps only its own
-        assert [s.getsockname()[1] for s in socks] == [port, port]
-        # Another serve on the port (or anything else) is refused, as with one socket.
-        with pytest.raises(OSError) as exc:
-            listener("127.0.0.1", port, 2)
-        assert exc.value.errno == errno.EADDRINUSE
-        with pytest.raises(OSError):
-            bind("127.0.0.1", port)
+            with pytest.raises(OSError) as exc:
+                Listeners("127.0.0.1", port, 2)
+            assert exc.value.errno == errno.EADDRINUSE
+            with pytest.raises(OSError):
+                bind("127.0.0.1", port)
+            sock = listeners.for_worker()
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            assert sock.getsockname()[1] == port
+            workers.append(_as_inherited(sock))
+            listeners.given(sock)
+            assert sock.fileno() == -1  # the worker's alone
 
-        def accepted(n: int) -> list[int]:
-            for _ in range(n):
-                clients.append(socket.create_connection(("127.0.0.1", port)))
-            counts = []
-            for sock in socks:
-                sock.setblocking(False)
-                count = 0
-                with contextlib.suppress(BlockingIOError):
-                    while True:
-                        sock.accept()[0].close()
-                        count += 1
-                counts.append(count)
-            return counts
+        def connect(n: int) -> None:
+            clients.extend(socket.create_connection(("127.0.0.1", port)) for _ in range(n))
 
         # Hashed over the two: each has some (a split of 200 as bad as 40/160 has odds below
         # 1e-17); on one shared socket the first worker awake took them all.
-        counts = accepted(200)
+        connect(200)
+        counts = _accepted(workers, 200)
         assert sum(counts) == 200 and min(counts) >= 40
-        socks.pop().close()  # a worker gone: the other takes every new connection
-        assert accepted(50) == [50]
+        workers.pop().close()  # a worker gone: the other takes every new connection
+        connect(50)
+        assert _accepted(workers, 50) == [50]
+        # The worker started in its place listens on a new socket, and takes its share again.
+        again = listeners.for_worker()
+        workers.append(_as_inherited(again))
+        listeners.given(again)
+        connect(200)
+        counts = _accepted(workers, 200)
+        assert sum(counts) == 200 and min(counts) >= 40
     finally:
         for c in clients:
             c.close()
-        for sock in socks:
+        for sock in workers:
             sock.close()
-        held.close()
+        listeners.close()
 
 
-def test_one_worker_listens_on_the_socket_it_is_passed_and_a_port_in_use_is_refused() -> None:
-    """One worker (or a kernel that spreads nothing): one listening socket, used as passed."""
-    one = listener("127.0.0.1", 0, 1)
+def test_one_worker_gets_the_one_socket_and_a_port_in_use_is_refused() -> None:
+    """One worker (or a kernel that spreads nothing): one listening socket, kept by the
+    supervisor and passed as it is; a port another process serves is refused."""
+    listeners = Listeners("127.0.0.1", 0, 1)
     try:
-        assert one.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        assert worker_listener(one) is one
+        sock = listeners.for_worker()
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        listeners.given(sock)
+        assert sock.fileno() != -1 and listeners.for_worker() is sock
         with pytest.raises(OSError) as exc:
-            listener("127.0.0.1", one.getsockname()[1], 2)
+            Listeners("127.0.0.1", listeners.port, 2)
         assert exc.value.errno == errno.EADDRINUSE
     finally:
-        one.close()
+        listeners.close()
 
 
 def test_a_name_has_one_row_in_every_process(boards: tuple[Board, Board, Board]) -> None:

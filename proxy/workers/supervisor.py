@@ -1,19 +1,16 @@
 """``tokenlane serve --workers N``: the parent process that keeps N workers serving one port.
 
-The supervisor binds the port (``listener``) and starts N worker processes (``tokenlane
+The supervisor binds the port (``Listeners``) and starts N worker processes (``tokenlane
 worker``) that accept on it; it creates the run directory (the board,
 ``proxy.workers.board``, and the workers' sockets, ``proxy.workers.mesh``) and removes it at
 the end. It handles no request.
 
 - On Linux each worker listens on a socket of its own on the port (``SO_REUSEPORT``, as
   Envoy's workers and nginx's ``reuseport`` do) and the kernel hashes each new connection to
-  one of them: connections are spread evenly. On one listening socket shared by all (still
-  the way elsewhere), whichever worker woke first took every connection waiting, and a client
-  opening a thousand keep-alive connections at once left up to 69 % of them on one worker of
-  two for their whole life (``docs/workers.md``). The supervisor holds the port with a socket
-  that does not listen, so the port stays the serve's while workers come and go; a worker
-  that dies takes its socket with it, and new connections go to the others at once.
-
+  one of them: connections are spread evenly (``Listeners``). On one listening socket shared
+  by all (still the way elsewhere), whichever worker woke first took every connection
+  waiting, and a client opening a thousand keep-alive connections at once left up to 69 % of
+  them on one worker of two for their whole life (``docs/workers.md``).
 - A worker that dies is started again under the same index; its column of the board is
   zeroed the moment its death is seen (within ``REAP_S``), so what it held (in-flight
   counts, queue places) is free for the others at once. One that keeps dying at start is
@@ -43,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from proxy import compiled
 from proxy.config import Policy
@@ -105,14 +103,26 @@ def workers_for(setting: int | str) -> int:
 # ---------------------------------------------------------------------------- the parent
 
 
-def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def bind(
+    host: str | None,
+    port: int,
+    reuse_port: bool = False,
+    listen: bool = True,
+    *,
+    family: int | None = None,
+    address: tuple[object, ...] | None = None,
+) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (or to ``address`` of ``family``, as a bound
+    socket's ``getsockname`` gives it, an IPv6 scope included) and, unless told not to,
+    listening; inheritable by the workers."""
+    if family is None:
+        family = socket.AF_INET6 if host is not None and ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        sock.bind(address if address is not None else (host, port))
         if listen:
             sock.listen(BACKLOG)
     except BaseException:
@@ -129,33 +139,67 @@ def spreads_connections() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
-def listener(host: str, port: int, count: int) -> socket.socket:
-    """The serve's socket on ``host:port`` (0: a free port), passed to every worker: where the
-    kernel spreads connections over sockets sharing a port (``spreads_connections``) and
-    there are several workers, a socket that holds the port without listening, beside which
-    each worker listens on its own (``worker_listener``); else the one listening socket.
+class Listeners:
+    """The serve's listening sockets on ``host:port`` (0: a free port), a worker's given to it
+    as it starts (``for_worker``).
+
+    Several workers where the kernel spreads connections (``spreads_connections``): a socket
+    per worker, all bound with ``SO_REUSEPORT``. Every one is bound and listening before the
+    first worker starts (connections wait in them while workers load), and once a worker has
+    its socket the supervisor closes its own copy (``given``): the socket lives and dies with
+    the worker, so a dead worker's new connections go to the others at once; the one started
+    in its place gets a new socket. Otherwise: the one socket, shared by every worker and held
+    here, as a single process has it.
 
     The port is first bound by a socket without ``SO_REUSEPORT``, as a single socket is: a
     port another process serves is refused as "address in use", even by a group of the same
-    user's that ours could join; and the port, once held, refuses any later bind without
-    ``SO_REUSEPORT`` (a second ``tokenlane serve`` on it fails as it always did)."""
-    if count <= 1 or not spreads_connections():
-        return bind(host, port)
-    probe = bind(host, port, listen=False)
-    port = probe.getsockname()[1]  # the port asked for, or the free one given for 0
-    probe.close()
-    return bind(host, port, reuse_port=True, listen=False)
+    user's that ours could join; the group, once listening, refuses any bind that does not
+    set ``SO_REUSEPORT`` (a second ``tokenlane serve`` on the port fails as it always did)."""
 
+    def __init__(self, host: str, port: int, count: int) -> None:
+        self.spread = count > 1 and spreads_connections()
+        self.shared: socket.socket | None = None
+        self.waiting: list[socket.socket] = []  # bound and listening, for workers to come
+        if not self.spread:
+            self.shared = bind(host, port)
+            self.family = self.shared.family
+            self.address: tuple[object, ...] = self.shared.getsockname()
+            return
+        probe = bind(host, port, listen=False)
+        # The port asked for, or the free one given for 0, with an IPv6 scope as bound.
+        self.family, self.address = probe.family, probe.getsockname()
+        probe.close()
+        try:
+            for _ in range(count):
+                self.waiting.append(self._new())
+        except BaseException:
+            self.close()
+            raise
 
-def worker_listener(passed: socket.socket) -> socket.socket:
-    """A worker's listening socket, from the one its supervisor passed (``listener``): that
-    one when it listens (shared by all workers), else one of the worker's own on its port."""
-    if passed.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        return passed
-    host, port = passed.getsockname()[:2]
-    own = bind(host, port, reuse_port=True)
-    passed.close()
-    return own
+    @property
+    def port(self) -> int:
+        return cast(int, self.address[1])
+
+    def _new(self) -> socket.socket:
+        return bind(None, 0, reuse_port=True, family=self.family, address=self.address)
+
+    def for_worker(self) -> socket.socket:
+        """The listening socket for a worker about to start."""
+        if self.shared is not None:
+            return self.shared
+        return self.waiting.pop() if self.waiting else self._new()
+
+    def given(self, sock: socket.socket) -> None:
+        """A worker started with ``sock``: a socket of its own is its alone from here."""
+        if sock is not self.shared:
+            sock.close()
+
+    def close(self) -> None:
+        for sock in self.waiting:
+            sock.close()
+        self.waiting = []
+        if self.shared is not None:
+            self.shared.close()
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -202,13 +246,13 @@ class Supervisor:
         self,
         count: int,
         worker_args: Sequence[str],
-        sock: socket.socket,
+        listeners: Listeners,
         rundir: str,
         out: int | None = None,
     ) -> None:
         self.count = count
         self.worker_args = list(worker_args)
-        self.sock = sock
+        self.listeners = listeners
         self.rundir = rundir
         self.out = sys.stdout.fileno() if out is None else out
         self.board = Board(os.path.join(rundir, "board"), None, create=True, workers=count)
@@ -217,22 +261,33 @@ class Supervisor:
         self.signals = 0
         self.restarts = 0
 
-    def command(self, index: int) -> list[str]:
+    def command(self, index: int, fd: int) -> list[str]:
         return [
             sys.executable, "-m", "proxy", "worker", *self.worker_args,
-            "--fd", str(self.sock.fileno()), "--rundir", self.rundir,
+            "--fd", str(fd), "--rundir", self.rundir,
             "--index", str(index), "--workers", str(self.count),
             "--supervisor", str(os.getpid()),
         ]  # fmt: skip
 
     def start(self, worker: Worker) -> None:
         loop = asyncio.get_running_loop()
-        worker.proc = subprocess.Popen(
-            self.command(worker.index),
-            pass_fds=(self.sock.fileno(),),
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # a terminal's Ctrl-C reaches workers only through here
-        )
+        try:
+            sock = self.listeners.for_worker()
+        except OSError as exc:
+            # A new socket on the port, for a worker started again: refused only when every
+            # worker was gone and something else took the port meanwhile. Tried again later.
+            log.error("worker %d: cannot listen on the port (%s); trying again", worker.index, exc)
+            loop.call_later(RESTART_BACKOFF_S, self._restart, worker)
+            return
+        try:
+            worker.proc = subprocess.Popen(
+                self.command(worker.index, sock.fileno()),
+                pass_fds=(sock.fileno(),),
+                stdout=subprocess.PIPE,
+                start_new_session=True,  # a terminal's Ctrl-C reaches workers only through here
+            )
+        finally:
+            self.listeners.given(sock)
         worker.started_at = time.monotonic()
         assert worker.proc.stdout is not None
         fd = worker.proc.stdout.fileno()
@@ -338,7 +393,7 @@ class Supervisor:
 
     def close(self) -> None:
         self.board.close()
-        self.sock.close()
+        self.listeners.close()
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
@@ -351,12 +406,12 @@ def _exit_words(code: int) -> str:
 
 def supervise(policy: Policy, count: int, worker_args: Sequence[str]) -> int:
     """Run ``count`` workers on the policy's port until a signal stops them all."""
-    sock = listener(policy.server.host, policy.server.port, count)
-    supervisor = Supervisor(count, worker_args, sock, run_dir())
+    listeners = Listeners(policy.server.host, policy.server.port, count)
+    supervisor = Supervisor(count, worker_args, listeners, run_dir())
     log.info(
         "tokenlane listening on http://%s:%d with %d workers (%d pools, %d lanes; request path %s)",
         policy.server.host,
-        sock.getsockname()[1],
+        listeners.port,
         count,
         len(policy.pools),
         len(policy.lanes),
@@ -369,11 +424,10 @@ def supervise(policy: Policy, count: int, worker_args: Sequence[str]) -> int:
 
 
 __all__ = [
+    "Listeners",
     "Supervisor",
     "auto_workers",
     "cgroup_cpus",
-    "listener",
     "supervise",
-    "worker_listener",
     "workers_for",
 ]
