@@ -98,7 +98,8 @@ def test_each_worker_listens_on_a_socket_of_its_own_and_connections_are_spread()
     before any worker starts, the supervisor's copy closed once the worker has it. A client
     that opens many connections at once has them spread over the workers; a worker gone takes
     its socket along and the others get every new connection; the worker started in its
-    place gets a new one. The port is refused to anyone else from the start."""
+    place gets a new one, on which it listens once it serves. The port is refused to anyone
+    else from the start."""
     listeners = Listeners("127.0.0.1", 0, 2)
     port = listeners.port
     workers: list[socket.socket] = []
@@ -131,10 +132,16 @@ def test_each_worker_listens_on_a_socket_of_its_own_and_connections_are_spread()
         workers.pop().close()  # a worker gone: the other takes every new connection
         connect(50)
         assert _accepted(workers, 50) == [50]
-        # The worker started in its place listens on a new socket, and takes its share again.
+        # The worker started in its place gets a new socket, bound and not listening: until
+        # its server listens, every new connection still goes to the one serving.
         again = listeners.for_worker()
-        workers.append(_as_inherited(again))
+        assert not again.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        starting = _as_inherited(again)
         listeners.given(again)
+        connect(50)
+        assert _accepted(workers, 50) == [50]
+        starting.listen()  # as its server does once it serves: it takes its share again
+        workers.append(starting)
         connect(200)
         counts = _accepted(workers, 200)
         assert sum(counts) == 200 and min(counts) >= 40

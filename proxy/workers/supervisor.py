@@ -147,9 +147,11 @@ class Listeners:
     per worker, all bound with ``SO_REUSEPORT``. Every one is bound and listening before the
     first worker starts (connections wait in them while workers load), and once a worker has
     its socket the supervisor closes its own copy (``given``): the socket lives and dies with
-    the worker, so a dead worker's new connections go to the others at once; the one started
-    in its place gets a new socket. Otherwise: the one socket, shared by every worker and held
-    here, as a single process has it.
+    the worker, so a dead worker's new connections go to the others at once. The one started
+    in its place gets a new socket, bound but not listening: its server listens once it
+    serves (asyncio's ``create_server`` does), so no connection is hashed to a worker still
+    loading while the others could take it. Otherwise: the one socket, shared by every worker
+    and held here, as a single process has it.
 
     The port is first bound by a socket without ``SO_REUSEPORT``, as a single socket is: a
     port another process serves is refused as "address in use", even by a group of the same
@@ -180,14 +182,15 @@ class Listeners:
     def port(self) -> int:
         return cast(int, self.address[1])
 
-    def _new(self) -> socket.socket:
-        return bind(None, 0, reuse_port=True, family=self.family, address=self.address)
+    def _new(self, listen: bool = True) -> socket.socket:
+        return bind(None, 0, True, listen, family=self.family, address=self.address)
 
     def for_worker(self) -> socket.socket:
-        """The listening socket for a worker about to start."""
+        """The socket for a worker about to start: listening at the serve's start, bound only
+        for a worker started again (its server listens on it)."""
         if self.shared is not None:
             return self.shared
-        return self.waiting.pop() if self.waiting else self._new()
+        return self.waiting.pop() if self.waiting else self._new(listen=False)
 
     def given(self, sock: socket.socket) -> None:
         """A worker started with ``sock``: a socket of its own is its alone from here."""
