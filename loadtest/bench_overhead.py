@@ -314,6 +314,16 @@ def mocks(interval_ms: float) -> Iterator[list[int]]:
         yield ports
 
 
+DIRECT = "direct"  # the baseline's name among the peers' rounds
+
+
+def turn(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` turned by ``r``, so that each is measured first, second,
+    ... as often as the others over as many rounds as there are names."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def run_peers(
     seconds: float, repeat: int, workers: int, only: list[str] | None = None, plain: bool = True
 ) -> list[dict[str, Any]]:
@@ -400,16 +410,6 @@ def run_peers(
             }
         )
     return rows
-
-
-DIRECT = "direct"  # the baseline's name among the peers' rounds
-
-
-def turn(names: list[str], r: int) -> list[str]:
-    """Round ``r``'s order: ``names`` turned by ``r``, so that each is measured first, second,
-    ... as often as the others over as many rounds as there are names."""
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
 
 
 def print_peers(rows: list[dict[str, Any]], seconds: float, repeat: int) -> None:

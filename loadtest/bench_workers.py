@@ -133,14 +133,6 @@ async def offered(
     start = time.perf_counter()
     begin = start + spread_s  # the window opens: every client has begun
     deadline = begin + seconds
-    cpu0: dict[str, float] = {}
-    own0 = [0.0]
-    read_at = [start]  # when the CPU was first read (the window's opening, a sleep late)
-
-    def open_window() -> None:
-        read_at[0] = time.perf_counter()
-        cpu0.update({name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()})
-        own0[0] = own_cpu_s()
 
     async def client(i: int) -> None:
         c, payload = clients[i], payloads[i]
@@ -159,18 +151,22 @@ async def offered(
             result.in_window += in_window
             result.gaps_ms.extend(gaps)
 
-    async def window() -> None:
-        await asyncio.sleep(spread_s)
-        open_window()
+    def cpu_now() -> dict[str, float]:
+        cpu = {name: sum(tree_cpu_seconds(p) for p in ps) for name, ps in pids.items()}
+        cpu["generator"] = own_cpu_s()
+        return cpu
 
-    await asyncio.gather(window(), *(client(i) for i in range(concurrency)))
-    end = time.perf_counter()
-    result.seconds = end - read_at[0]
+    async def cpu_at_opening() -> tuple[float, dict[str, float]]:
+        """When the window opened (a sleep late) and every process's CPU then."""
+        await asyncio.sleep(spread_s)
+        return time.perf_counter(), cpu_now()
+
+    opening = asyncio.ensure_future(cpu_at_opening())
+    await asyncio.gather(opening, *(client(i) for i in range(concurrency)))
+    read_at, cpu0 = opening.result()
+    result.seconds = time.perf_counter() - read_at
     result.window_s = seconds
-    result.cpu_s = {
-        name: sum(tree_cpu_seconds(p) for p in ps) - cpu0[name] for name, ps in pids.items()
-    }
-    result.cpu_s["generator"] = own_cpu_s() - own0[0]
+    result.cpu_s = {name: v - cpu0[name] for name, v in cpu_now().items()}
     for c in clients:
         if c.transport is not None:
             c.transport.close()

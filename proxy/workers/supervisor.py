@@ -103,26 +103,23 @@ def workers_for(setting: int | str) -> int:
 # ---------------------------------------------------------------------------- the parent
 
 
-def bind(
-    host: str | None,
-    port: int,
-    reuse_port: bool = False,
-    listen: bool = True,
-    *,
-    family: int | None = None,
-    address: tuple[object, ...] | None = None,
+def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and, unless told not to, listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return _bound(family, (host, port), reuse_port, listen)
+
+
+def _bound(
+    family: int, address: tuple[object, ...], reuse_port: bool, listen: bool
 ) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (or to ``address`` of ``family``, as a bound
-    socket's ``getsockname`` gives it, an IPv6 scope included) and, unless told not to,
-    listening; inheritable by the workers."""
-    if family is None:
-        family = socket.AF_INET6 if host is not None and ":" in host else socket.AF_INET
+    """A TCP socket of ``family`` bound to ``address`` (as ``getsockname`` gives it, an IPv6
+    scope included), inheritable by the workers."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address if address is not None else (host, port))
+        sock.bind(address)
         if listen:
             sock.listen(BACKLOG)
     except BaseException:
@@ -159,10 +156,9 @@ class Listeners:
     set ``SO_REUSEPORT`` (a second ``tokenlane serve`` on the port fails as it always did)."""
 
     def __init__(self, host: str, port: int, count: int) -> None:
-        self.spread = count > 1 and spreads_connections()
         self.shared: socket.socket | None = None
         self.waiting: list[socket.socket] = []  # bound and listening, for workers to come
-        if not self.spread:
+        if count <= 1 or not spreads_connections():
             self.shared = bind(host, port)
             self.family = self.shared.family
             self.address: tuple[object, ...] = self.shared.getsockname()
@@ -183,7 +179,7 @@ class Listeners:
         return cast(int, self.address[1])
 
     def _new(self, listen: bool = True) -> socket.socket:
-        return bind(None, 0, True, listen, family=self.family, address=self.address)
+        return _bound(self.family, self.address, True, listen)
 
     def for_worker(self) -> socket.socket:
         """The socket for a worker about to start: listening at the serve's start, bound only
