@@ -34,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
+    "proxy.edge.connection",
     "proxy.edge.endpoint",
     "proxy.edge.head",
     "proxy.edge.validate",
