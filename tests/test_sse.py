@@ -485,3 +485,32 @@ def test_event_end_agrees_with_a_two_byte_search() -> None:
         data = bytes(rng.choice(b"ab\n") for _ in range(rng.randrange(12)))
         start = rng.randrange(len(data) + 1)
         assert sse.event_end(data, start) == data.find(b"\n\n", start), (data, start)
+
+
+@pytest.mark.parametrize(
+    ("kind", "end", "complete"),
+    [
+        ("chat", b'data: {"choices":[]}\n\ndata: [DONE]\n\n', True),
+        ("chat", b'data: {"choices":[]}\n\n', False),
+        ("completions", b"x" * 20_000 + b"data: [DONE]\n\n", True),  # a whole stream, one read
+        ("chat", b"data: [DONE]" + b"\n" * 600, True),  # more whitespace than the last bytes
+        ("chat", b"data: [DONE]\n\ndata: {}" + b" " * 300, False),
+        ("chat", b"", False),
+        ("chat", b"   \n", False),
+        ("messages", b"event: message_stop\ndata: {}\n\n" + b" " * 300, True),
+        ("messages", b"event: content_block_delta\ndata: {}\n\n", False),
+        ("responses", b'event: error\ndata: {"type": "error"}\n\n', True),
+    ],
+)
+def test_stream_complete_looks_at_the_end_only_as_far_as_it_must(
+    kind: str, end: bytes, complete: bool
+) -> None:
+    assert sse.stream_complete(kind, end) is complete
+
+
+@pytest.mark.parametrize(
+    ("data", "part"),
+    [(b"abc", b"b"), (b"abc", b"d"), (b"", b""), (b"", b"a"), (b"a\r\nb", b"\r"), (b"x", b"")],
+)
+def test_contains_is_bytes_in(data: bytes, part: bytes) -> None:
+    assert sse.contains(data, part) is (part in data)

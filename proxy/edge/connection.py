@@ -61,6 +61,7 @@ from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
+_TASK_NAME = "tokenlane request"
 
 
 class EdgeOwner(Protocol):
@@ -504,10 +505,12 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         return cast(Any, self).cycle
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # Named: an unnamed task's name is formatted for it ("Task-<n>"), on every request.
+        coro = cycle.run_asgi(app)
         if self.config.reset_contextvars:  # uvicorn's opt-in: a fresh context per request
-            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+            task = self.loop.create_task(coro, name=_TASK_NAME, context=contextvars.Context())
         else:
-            task = self.loop.create_task(cycle.run_asgi(app))
+            task = self.loop.create_task(coro, name=_TASK_NAME)
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 

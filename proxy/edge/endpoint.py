@@ -44,6 +44,7 @@ from proxy.observe.outcomes import Outcomes
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Call
 from proxy.relay.relay import DROP_UPSTREAM, Relay
+from proxy.relay.sse import contains
 from proxy.routing.estimate import Estimator
 from proxy.routing.lanes import match_lane
 from proxy.routing.profile import profile_request
@@ -129,7 +130,7 @@ def forwarding_headers(
     if peer is not None:
         addr = peer.encode()
         xff = xff + b", " + addr if xff else addr
-        node = b'"[' + addr + b']"' if b":" in addr else addr  # RFC 7239 6: IPv6 quoted
+        node = b'"[' + addr + b']"' if contains(addr, b":") else addr  # RFC 7239 6: IPv6 quoted
         fwd = fwd + b", for=" + node if fwd else b"for=" + node
     if xff:
         out.append((b"x-forwarded-for", xff))

@@ -37,6 +37,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
+from proxy.relay.sse import contains
 
 # A body held by a reader that is not reading (the client is slow, or the relay is busy with
 # a chunk it parses) stops the replica's socket being read past this, as aiohttp's did.
@@ -166,7 +167,7 @@ class H1Connection(asyncio.Protocol):
         self.headers.append((name, value))
         lower = name.lower()
         if lower == b"content-length" or (
-            lower == b"transfer-encoding" and b"chunked" in value.lower()
+            lower == b"transfer-encoding" and contains(value.lower(), b"chunked")
         ):
             self.length_known = True
 
