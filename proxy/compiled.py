@@ -34,7 +34,6 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
-    "proxy.edge.connection",
     "proxy.edge.endpoint",
     "proxy.edge.head",
     "proxy.edge.validate",

@@ -12,16 +12,12 @@ hook and the direct body writer); here are the shapes those rely on.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import inspect
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
 
 import aiohttp
 import httptools
@@ -37,8 +33,6 @@ from httpx_aiohttp.transport import AiohttpTransport
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
-
-from proxy.edge.connection import CoalescingCycle, NoDelayHttpToolsProtocol
 
 
 @dataclass(frozen=True)
@@ -172,72 +166,6 @@ def _message_event() -> None:
     assert "__weakref__" in {n for c in RequestResponseCycle.__mro__ for n in vars(c)}
 
 
-# uvicorn's methods that proxy/edge/connection.py writes again (compiled, with the edge's
-# bounds): the digest of their source when they were. Another digest means uvicorn changed
-# them: read the new ones and write ours again before taking the version.
-WRITTEN_AGAIN = (
-    (HttpToolsProtocol, "on_message_begin"),
-    (HttpToolsProtocol, "on_url"),
-    (HttpToolsProtocol, "on_header"),
-    (HttpToolsProtocol, "on_headers_complete"),
-    (HttpToolsProtocol, "_start_asgi_task"),
-    (HttpToolsProtocol, "on_body"),
-    (HttpToolsProtocol, "on_message_complete"),
-    (HttpToolsProtocol, "on_response_complete"),
-    (HttpToolsProtocol, "_unset_keepalive_if_required"),
-    (RequestResponseCycle, "__init__"),
-    (RequestResponseCycle, "run_asgi"),
-    (RequestResponseCycle, "receive"),
-)
-WRITTEN_AGAIN_DIGEST = "13acea1db7b99a40"
-# What our callbacks read of the protocol that uvicorn's __init__ or connection_made sets.
-PROTOCOL_STATE = (
-    "parser", "app", "loop", "logger", "access_logger", "access_log", "root_path",
-    "asgi_version", "limit_concurrency", "app_state", "timeout_keep_alive_task",
-    "timeout_keep_alive", "server_state", "connections", "tasks", "transport", "flow",
-    "server", "client", "scheme", "pipeline", "cycle",
-)  # fmt: skip
-
-
-def _protocol_written_again() -> None:
-    has_params(HttpToolsProtocol.connection_made, "transport")
-    has_params(HttpToolsProtocol.connection_lost, "exc")
-    digest = hashlib.sha256()
-    for cls, name in WRITTEN_AGAIN:
-        digest.update(inspect.getsource(getattr(cls, name)).encode())
-    assert_equal(digest.hexdigest()[:16], WRITTEN_AGAIN_DIGEST)
-    # The parser callbacks uvicorn has are the ones we write (none of its left behind).
-    callbacks = {n for n in vars(HttpToolsProtocol) if n.startswith("on_")}
-    ours = {n for n in vars(NoDelayHttpToolsProtocol) if n.startswith("on_")}
-    assert_equal(callbacks - ours, set())
-    made = inspect.getsource(HttpToolsProtocol.__init__)
-    made += inspect.getsource(HttpToolsProtocol.connection_made)
-    missing = [n for n in PROTOCOL_STATE if f"self.{n} =" not in made and f"self.{n}: " not in made]
-    assert_equal(missing, [])
-    assert hasattr(uvicorn.Config(app=None), "reset_contextvars")
-
-
-def _same_cycle_attributes() -> None:
-    """Our cycle's ``__init__`` sets what uvicorn's does, no more, no less."""
-    args: dict[str, Any] = {
-        "scope": {},
-        "transport": asyncio.Transport(),
-        "flow": FlowControl(asyncio.Transport()),
-        "logger": logging.getLogger("test"),
-        "access_logger": logging.getLogger("test"),
-        "access_log": False,
-        "default_headers": [],
-        "message_event": None,
-        "expect_100_continue": False,
-        "keep_alive": True,
-        "on_response": lambda: None,
-    }
-    theirs = vars(RequestResponseCycle(**args))
-    ours = vars(CoalescingCycle(**args))
-    assert_equal(sorted(ours), sorted(theirs))
-    assert_equal(ours, theirs)
-
-
 INTERNALS = [
     Internal(
         "aiohttp",
@@ -333,32 +261,47 @@ INTERNALS = [
     ),
     Internal(
         "uvicorn",
-        "HttpToolsProtocol.connection_made(transport), connection_lost(exc); the state its "
-        "__init__ and connection_made set, read by the callbacks written again in our protocol; "
-        "its parser callbacks and request start as they were when written again (their source's "
-        "digest)",
-        "proxy/edge/connection.py NoDelayHttpToolsProtocol: TCP_NODELAY, the extensions, the "
-        "edge's bounds, and uvicorn's callbacks compiled (on_message_begin ... "
-        "on_response_complete, _start_asgi_task; the cycle's __init__, run_asgi, receive)",
-        _protocol_written_again,
+        "HttpToolsProtocol.connection_made(transport), connection_lost(exc), and "
+        "on_headers_complete() building self.cycle = RequestResponseCycle(scope=self.scope...)",
+        "proxy/edge/connection.py NoDelayHttpToolsProtocol: TCP_NODELAY, START_WITH_BODY and the "
+        "client-gone hook",
+        lambda: (
+            (
+                has_params(HttpToolsProtocol.connection_made, "transport"),
+                has_params(HttpToolsProtocol.connection_lost, "exc"),
+                source_has(
+                    HttpToolsProtocol.on_headers_complete,
+                    "self.cycle = RequestResponseCycle(",
+                    "scope=self.scope",
+                ),
+            )
+            and None
+        ),
     ),
     Internal(
         "uvicorn",
-        "the cycle's message_event: only set(), wait() and clear()ed, by the protocol and the "
-        "cycle; a cycle can be weakly referenced",
-        "proxy/edge/connection.py: the cycle built with a compiled MessageEvent in its place; "
-        "proxy/edge/head.py DirectBody: holds its cycle weakly",
+        "the cycle's message_event: built in on_headers_complete and only set(), wait() and "
+        "clear()ed, by the protocol and the cycle; a cycle can be weakly referenced",
+        "proxy/edge/connection.py: a compiled MessageEvent put in its place right after the "
+        "cycle is built; proxy/edge/head.py DirectBody: holds its cycle weakly",
         _message_event,
     ),
     Internal(
         "uvicorn",
-        "RequestResponseCycle: the attributes its __init__ sets (ours sets the same), "
-        ".transport written through in send(), .scope, .disconnected, .response_complete",
+        "RequestResponseCycle: no __slots__ (its class is swapped), .transport written through "
+        "in send(), .scope, .disconnected, .response_complete",
         "proxy/edge/connection.py CoalescingCycle, proxy/edge/head.py DirectBody.start: the "
         "response start and first body in one write",
         lambda: (
             (
-                _same_cycle_attributes(),
+                assert_equal("__slots__" in vars(RequestResponseCycle), False),
+                source_has(
+                    RequestResponseCycle.__init__,
+                    "self.transport = transport",
+                    "self.scope = scope",
+                    "self.disconnected = False",
+                    "self.response_complete = False",
+                ),
                 source_has(RequestResponseCycle.send, "self.transport.write("),
             )
             and None

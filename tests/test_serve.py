@@ -89,80 +89,35 @@ class Recorder:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class _RecordingTransport(asyncio.Transport):
-    """The connection's transport, its writes recorded. An ``asyncio.Transport`` itself: the
-    compiled protocol checks what it is given."""
-
+class _RecordingTransport:
     def __init__(self, transport: asyncio.Transport, recorder: Recorder) -> None:
-        super().__init__()
         self._transport = transport
         self._recorder = recorder
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
+    def write(self, data: bytes) -> None:
         self._recorder.writes.append(bytes(data))
         self._transport.write(data)
 
-    def writelines(self, list_of_data: Any) -> None:
-        parts = list(list_of_data)
+    def writelines(self, parts: list[bytes]) -> None:
         self._recorder.writes.append(b"".join(parts))
         self._transport.writelines(parts)
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def close(self) -> None:
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._transport.abort()
-
-    def write_eof(self) -> None:
-        self._transport.write_eof()
-
-    def can_write_eof(self) -> bool:
-        return self._transport.can_write_eof()
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def is_reading(self) -> bool:
-        return self._transport.is_reading()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size()
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._transport.set_write_buffer_limits(high, low)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
-def recording(
-    base: type[HttpToolsProtocol], recorder: Recorder
-) -> Callable[..., HttpToolsProtocol]:
-    """A factory of ``base`` protocols whose transport's writes are recorded and whose
-    connection losses are signalled (a factory, not a subclass: our protocol is compiled)."""
+def recording(base: type[HttpToolsProtocol], recorder: Recorder) -> type[HttpToolsProtocol]:
+    """``base`` with its transport's writes recorded and its connection losses signalled."""
 
-    def make(*args: Any, **kwargs: Any) -> HttpToolsProtocol:
-        protocol = base(*args, **kwargs)
-        made, lost = protocol.connection_made, protocol.connection_lost
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(_RecordingTransport(transport, recorder))  # type: ignore[arg-type]
 
-        def connection_made(transport: asyncio.Transport) -> None:
-            made(_RecordingTransport(transport, recorder))
-
-        def connection_lost(exc: Exception | None) -> None:
-            lost(exc)
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
             recorder.lost.set()
 
-        protocol.connection_made = connection_made  # type: ignore[method-assign]
-        protocol.connection_lost = connection_lost  # type: ignore[method-assign]
-        return protocol
-
-    return make
+    return Recording
 
 
 # ---------------------------------------------------------------------------- raw HTTP/1.1

@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import socket
-import urllib.parse
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import httptools
-from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter
 from starlette.types import Message
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl, service_unavailable
 from uvicorn.protocols.http.httptools_impl import (
     HttpToolsProtocol,
     RequestResponseCycle,
@@ -61,7 +57,6 @@ from proxy.observe.metrics import Metrics
 
 log = logging.getLogger("tokenlane")
 _NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
-_TASK_NAME = "tokenlane request"
 
 
 class EdgeOwner(Protocol):
@@ -100,13 +95,6 @@ class _Capture:
         return self.closed or self.transport.is_closing()
 
 
-def _nothing() -> None:
-    """A finished cycle's ``on_response``."""
-
-
-# Compiled (proxy/compiled.py) as plain Python classes with compiled methods: they extend
-# uvicorn's, which native classes cannot.
-@mypyc_attr(native_class=False)
 class CoalescingCycle(RequestResponseCycle):
     """uvicorn's request/response cycle that also takes the ``START_WITH_BODY`` extension: a
     response start carrying its first body, written to the socket in one write.
@@ -115,83 +103,7 @@ class CoalescingCycle(RequestResponseCycle):
     another: two TCP segments, and on a busy host two wake-ups of the client before it sees
     any content. Relayed responses always have their first chunk in hand when they start."""
 
-    direct_body: DirectBody | None = None  # this cycle's DIRECT_BODY writer
-
-    # uvicorn's cycle, made here instead of by its ``__init__`` (interpreted): the same
-    # attributes, set in one compiled call (``tests/test_serve.py`` compares the two).
-    def __init__(
-        self,
-        scope: Any,
-        transport: asyncio.Transport,
-        flow: FlowControl,
-        logger: logging.Logger,
-        access_logger: logging.Logger,
-        access_log: bool,
-        default_headers: list[tuple[bytes, bytes]],
-        message_event: Any,
-        expect_100_continue: bool,
-        keep_alive: bool,
-        on_response: Callable[..., None],
-    ) -> None:
-        self.scope = scope
-        self.transport = transport
-        self.flow = flow
-        self.logger = logger
-        self.access_logger = access_logger
-        self.access_log = access_log
-        self.default_headers = default_headers
-        self.message_event = message_event
-        self.on_response = on_response
-        self.disconnected = False
-        self.keep_alive = keep_alive
-        self.waiting_for_100_continue = expect_100_continue
-        self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.chunked_encoding = None
-        self.expected_content_length = 0
-
-    async def run_asgi(self, app: Any) -> None:
-        """uvicorn's wrapper of the application, compiled: an exception is logged and answered
-        with a 500 when nothing was sent (else the connection is closed); an app that returns
-        a value, or returns without starting or finishing its response, likewise."""
-        try:
-            result = await app(self.scope, self.receive, self.send)
-        except BaseException as exc:
-            self.logger.error("Exception in ASGI application\n", exc_info=exc)
-            if not self.response_started:
-                await self.send_500_response()
-            else:
-                self.transport.close()
-        else:
-            if result is not None:
-                self.logger.error("ASGI callable should return None, but returned '%s'.", result)
-                self.transport.close()
-            elif not self.response_started and not self.disconnected:
-                self.logger.error("ASGI callable returned without starting response.")
-                await self.send_500_response()
-            elif not self.response_complete and not self.disconnected:
-                self.logger.error("ASGI callable returned without completing response.")
-                self.transport.close()
-        finally:
-            self.on_response = _nothing
-
-    async def receive(self) -> Message:  # type: ignore[override]
-        """uvicorn's ``receive``, compiled: the request's body as it came, or the disconnect."""
-        if self.waiting_for_100_continue and not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self.waiting_for_100_continue = False
-        if not self.disconnected and not self.response_complete:
-            self.flow.resume_reading()
-            event = self.message_event
-            await event.wait()
-            event.clear()
-        if self.disconnected or self.response_complete:
-            return {"type": "http.disconnect"}
-        body = self.body
-        self.body = bytearray()
-        return {"type": "http.request", "body": bytes(body), "more_body": self.more_body}
+    direct_body: DirectBody | None = None  # this cycle's DIRECT_BODY writer (set with the class)
 
     # uvicorn types ``send`` with its own event TypedDicts; an ASGI app hands us any message
     # mapping (starlette's ``Message``), and ours carry the START_WITH_BODY keys besides.
@@ -297,7 +209,6 @@ def edge_for(app: object) -> Edge:
     return Edge(lambda: _DEFAULT_SERVER, None)
 
 
-@mypyc_attr(native_class=False)
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection (neither
     asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
@@ -341,7 +252,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return  # lingering after a refusal: input is dropped
-        self._no_keep_alive_timer()
+        self._unset_keepalive_if_required()
         if self._head_open:
             self._head_raw += len(data)
         try:
@@ -378,7 +289,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             reason, self._refusal = self._refusal, None
             self._refuse(reason)
             return
-        cycle = self._current()
+        cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # A request parsed before the bad bytes (in the same read) is answered first: stop
             # reading; the 400 follows its response (``on_response_complete``).
@@ -396,30 +307,8 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
 
     # ---------------------------------------------------------------- parser callbacks
 
-    # uvicorn's parser callbacks and request start, written here so that they run compiled
-    # (interpreted, they were a fifth of a request's CPU), each with the edge's bounds and our
-    # cycle; what they do for uvicorn is what its own do (``tests/test_serve.py`` holds them
-    # to it: keep-alive, pipelining, 100-continue, an upgrade, the concurrency limit).
-
     def on_message_begin(self) -> None:
-        self.url = b""
-        self.expect_100_continue = False
-        headers: list[tuple[bytes, bytes]] = []
-        self.headers = headers
-        self.scope = cast(
-            Any,
-            {
-                "type": "http",
-                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-                "http_version": "1.1",
-                "server": self.server,
-                "client": self.client,
-                "scheme": self.scheme,
-                "root_path": self.root_path,
-                "headers": headers,
-                "state": self.app_state.copy(),
-            },
-        )
+        super().on_message_begin()
         self._head_size = 0
         self._head_count = 0
 
@@ -437,130 +326,45 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         if self._head_size > b.max_header_bytes or self._head_count > b.max_headers:
             self._refusal = head_refusal(self._head_size, self._head_count, b)
             raise HeadRefused
-        name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._head_open = False
         self._head_raw = 0
-        parser = self.parser
-        scope: dict[str, Any] = cast(Any, self.scope)
-        http_version = parser.get_http_version()
-        scope["method"] = parser.get_method().decode("ascii")
-        if http_version != "1.1":
-            scope["http_version"] = http_version
-        if parser.should_upgrade() and self._should_upgrade():
-            return  # the upgrade's protocol takes the connection (``data_received``)
-        # Typed loosely: httptools' stubs say bytes where it gives None (no query).
-        url: Any = httptools.parse_url(self.url)
-        raw_path: bytes = url.path
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        root = self.root_path
-        scope["path"] = root + path
-        scope["raw_path"] = root.encode("ascii") + raw_path
-        scope["query_string"] = url.query or b""
-        app: Any = self.app
-        limit = self.limit_concurrency
-        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
-            app = service_unavailable
-            self.logger.warning("Exceeded concurrency limit.")
-        cycle = CoalescingCycle(
-            scope=scope,
-            transport=self.transport,
-            flow=self.flow,
-            logger=self.logger,
-            access_logger=self.access_logger,
-            access_log=self.access_log,
-            default_headers=self.server_state.default_headers,
-            message_event=MessageEvent(),  # compiled, in place of asyncio.Event (head.py)
-            expect_100_continue=self.expect_100_continue,
-            keep_alive=http_version != "1.0" and parser.should_keep_alive(),
-            on_response=self.on_response_complete,
-        )
-        hook = ClientGoneHook()
-        cycle.direct_body = DirectBody(cycle)
-        ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: cycle.direct_body}
-        theirs = scope.get("extensions")
-        scope["extensions"] = {**theirs, **ours} if theirs else ours
-        # Every request of the connection not answered yet: with pipelining, the one running
-        # is no longer ``self.cycle`` (the last one parsed) when the client leaves.
-        live = [(c, h) for c, h in self._hooks if not c.response_complete]
-        live.append((cycle, hook))
-        self._hooks = live
-        previous = self._current()
-        self.cycle = cycle
-        if previous is None or previous.response_complete:
-            self._start_asgi_task(cycle, app)
-        else:  # pipelined: started once the one before it is answered
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, app))
-
-    def _current(self) -> RequestResponseCycle | None:
-        """The last request's cycle; None before the first. (uvicorn types the attribute
-        without None, and compiled code checks what it reads against the type.)"""
-        return cast(Any, self).cycle
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # Named: an unnamed task's name is formatted for it ("Task-<n>"), on every request.
-        coro = cycle.run_asgi(app)
-        if self.config.reset_contextvars:  # uvicorn's opt-in: a fresh context per request
-            task = self.loop.create_task(coro, name=_TASK_NAME, context=contextvars.Context())
-        else:
-            task = self.loop.create_task(coro, name=_TASK_NAME)
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
-
-    def on_body(self, body: bytes) -> None:
-        if self.parser.should_upgrade() and self._should_upgrade():
-            return
+        super().on_headers_complete()
+        # The request's cycle exists now and its app task has not run yet (a pipelined one
+        # starts later). The extensions are advertised only when the cycle really is ours: a
+        # uvicorn that built its cycle another way gets plain ASGI from the relay, never a
+        # start whose body the server would drop.
         cycle = self.cycle
-        if cycle.response_complete:
-            return
-        cycle.body += body
-        if len(cycle.body) > HIGH_WATER_LIMIT:
-            self.flow.pause_reading()
-        cycle.message_event.set()
+        if cycle is None or cycle.scope is not self.scope:
+            return  # an upgrade, or nothing new
+        if type(cycle) is RequestResponseCycle:
+            cycle.__class__ = CoalescingCycle
+        if type(cycle) is CoalescingCycle:
+            # Not awaited or set yet: the compiled event in its place (``MessageEvent``).
+            cycle.message_event = cast(asyncio.Event, MessageEvent())
+            hook = ClientGoneHook()
+            writer = cycle.direct_body = DirectBody(cycle)
+            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: writer}
+            theirs = self.scope.get("extensions")
+            self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
+            # Every request of the connection not answered yet: with pipelining, the one
+            # running is no longer ``self.cycle`` (the last one parsed) when the client leaves.
+            live = [(c, h) for c, h in self._hooks if not c.response_complete]
+            live.append((cycle, hook))
+            self._hooks = live
 
     def on_message_complete(self) -> None:
+        super().on_message_complete()
         self._head_open = True
-        if self.parser.should_upgrade() and self._should_upgrade():
-            return
-        cycle = self.cycle
-        if cycle.response_complete:
-            return
-        cycle.more_body = False
-        cycle.message_event.set()
 
     def on_response_complete(self) -> None:
-        """A response is done: the next pipelined request starts, or the keep-alive timer is
-        armed. After bytes that did not parse, the 400 follows the last answer instead."""
-        state = self.server_state
         if self._bad_input and not self.pipeline and not self.transport.is_closing():
-            state.total_requests += 1
+            self.server_state.total_requests += 1
             self._refuse("malformed")  # every request before the bad bytes is answered
             return
-        state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self._no_keep_alive_timer()
-        self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-        else:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
-
-    def _no_keep_alive_timer(self) -> None:
-        timer = self.timeout_keep_alive_task
-        if timer is not None:
-            timer.cancel()
-            self.timeout_keep_alive_task = None
+        super().on_response_complete()
 
     # ---------------------------------------------------------------- timer and refusals
 
@@ -594,7 +398,7 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         nothing was sent, else after a linger in which input is read and dropped."""
         self._refusal = reason
         self._edge.refused(reason, self.client)
-        cycle = self._current()
+        cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # The application gets its disconnect now and writes nothing more.
             cycle.disconnected = True
