@@ -22,7 +22,12 @@ token ids, as vLLM does). ``--mode paced`` (mocks sending one
 token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
 user part of it alone (the kernel's network stack, the same work for every gateway, is the
 noisiest part of the whole) and ITL p99 in ms; this is how continuation's cost per chunk is
-measured (``--tree .:1:off --tree .:1:on``).
+measured (``--tree .:1:off --tree .:1:on``). ``--mode instructions`` (burst mocks), per
+round: the instructions each gateway ran per request, counted by valgrind's callgrind over
+``--requests`` requests from 8 clients (``apt-get install valgrind``; one worker a tree). The
+count does not drift with the machine as time does: a change of 1 % shows, where timed runs on
+this VM spread 20 %; it counts work, not stalls (cache and branch misses), so a change that
+moves work into or out of C is timed as well.
 """
 
 from __future__ import annotations
@@ -30,17 +35,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import statistics
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 from . import gateways
-from .bench_overhead import burst_run, mocks, paced_run
+from .bench_overhead import StreamClient, burst_run, connect, mocks, paced_run, stream_request
 
 FIGURES = {
     "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
               ("TTFT p50 c=1", "ttft_p50_ms", 2)),
     "paced": (("CPU us/chunk", "cpu_us_per_chunk", 1), ("user us/chunk", "user_us_per_chunk", 1),
               ("ITL p99 ms", "itl_p99_ms", 2)),
+    "instructions": (("instructions/req", "instructions_per_req", 0),),
 }  # fmt: skip
 Spec = tuple[str, Path, int, bool]
 
@@ -51,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--slice-s", type=float, default=1.5, help="burst mode's slices")
     parser.add_argument("--continuation", choices=("on", "off"), default="on")
-    parser.add_argument("--mode", choices=("burst", "paced"), default="burst")
+    parser.add_argument("--mode", choices=tuple(FIGURES), default="burst")
+    parser.add_argument("--requests", type=int, default=400, help="instructions: per round")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="burst: a prompt this long")
     args = parser.parse_args(argv)
     if args.prompt_tokens and args.mode != "burst":
@@ -65,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(
             (label, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
         )
-    results = run(specs, args.mode, args.rounds, args.slice_s, args.prompt_tokens)
+    if args.mode == "instructions":
+        if any(workers != 1 for _, _, workers, _ in specs):
+            parser.error("--mode instructions counts one worker a tree")
+        if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+            parser.error("--mode instructions needs valgrind (apt-get install valgrind)")
+        results = run_counted(specs, args.rounds, args.requests)
+    else:
+        results = run(specs, args.mode, args.rounds, args.slice_s, args.prompt_tokens)
     columns = FIGURES[args.mode]
     first = specs[0][0]
     print(
@@ -111,6 +129,74 @@ def run(
                 for k in keys:
                     results[spec][k].append(figures[k])
     return results
+
+
+def callgrind_total(dump: str) -> int | None:
+    """The instructions a callgrind dump counted (its ``totals:`` line, or ``summary:``);
+    None while the dump is not complete."""
+    for line in dump.splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    return None
+
+
+def run_counted(specs: list[Spec], rounds: int, requests: int) -> dict[str, dict[str, list[float]]]:
+    """Every tree's gateway under callgrind at once over the same burst mocks; per round and
+    tree, the counters zeroed, ``requests`` sent, the count dumped and read."""
+    key = FIGURES["instructions"][0][1]
+    results: dict[str, dict[str, list[float]]] = {s[0]: {key: []} for s in specs}
+    with tempfile.TemporaryDirectory() as tmp, mocks(0) as ports, contextlib.ExitStack() as stack:
+        running: list[tuple[str, int, int, Path]] = []
+        for i, (spec, tree, _, continuation) in enumerate(specs):
+            out = Path(tmp) / f"tree{i}"
+            wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p"]
+            # Under valgrind the start (imports, the compiled build's load) takes a minute.
+            gw = stack.enter_context(
+                gateways.tokenlane(ports, 1, continuation, cwd=tree, wrap=wrap, ready_s=600)
+            )
+            running.append((spec, gw.port, gw.pid, out))
+        for _, port, _, _ in running:  # warm-up: pools, caches, the first requests' imports
+            asyncio.run(_sequential(port, 200))
+        for r in range(rounds):
+            for spec, port, pid, out in running if r % 2 == 0 else running[::-1]:
+                _control("-z", pid)  # counters zeroed
+                asyncio.run(_sequential(port, requests))
+                dumps = len(list(out.parent.glob(f"{out.name}.{pid}.*")))
+                _control("-d", pid)  # counters dumped, to the next file
+                total = _dumped(out.parent / f"{out.name}.{pid}.{dumps + 1}")
+                results[spec][key].append(total / requests)
+    return results
+
+
+def _control(flag: str, pid: int) -> None:
+    subprocess.run(["callgrind_control", flag, str(pid)], check=True, capture_output=True)
+
+
+def _dumped(path: Path, timeout_s: float = 120.0) -> int:
+    """The count in the dump at ``path``, once callgrind has written it whole."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and (total := callgrind_total(path.read_text(errors="replace"))):
+            return total
+        time.sleep(0.05)
+    raise TimeoutError(f"no callgrind dump at {path} after {timeout_s:g} s")
+
+
+async def _sequential(port: int, requests: int, clients: int = 8) -> None:
+    """``requests`` streamed chat requests from ``clients`` connections, each waiting for its
+    answer before the next."""
+    payload = stream_request(port, 0)
+    conns = [await connect(port) for _ in range(clients)]
+
+    async def one(conn: StreamClient, n: int) -> None:
+        for _ in range(n):
+            await conn.send(payload)
+
+    share, extra = divmod(requests, clients)
+    await asyncio.gather(*(one(c, share + (i < extra)) for i, c in enumerate(conns)))
+    for c in conns:
+        if c.transport is not None:
+            c.transport.close()
 
 
 async def _paced(port: int, pid: int) -> dict[str, float]:

@@ -62,10 +62,13 @@ def tokenlane(
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
     redis_url: str | None = None,
+    wrap: list[str] | None = None,
+    ready_s: float = 60.0,
 ) -> Iterator[Running]:
     """A Tokenlane gateway over ``upstreams``; ``continuation`` off relays every stream plain
     (ineligible). ``cwd``: the source tree it runs from (a git worktree; ours when None);
-    ``env``: more of its environment; ``redis_url``: the shared state it uses."""
+    ``env``: more of its environment; ``redis_url``: the shared state it uses; ``wrap``: a
+    command it runs under (``valgrind ...``), given ``ready_s`` to answer ``/ready``."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "policy.yaml"
@@ -74,12 +77,12 @@ def tokenlane(
         if redis_url:
             policy["redis"] = {"url": redis_url}
         path.write_text(yaml.safe_dump(policy))
-        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
+        argv = [*(wrap or []), sys.executable, "-m", "proxy", "serve", "--config", str(path)]
         # As `make run`: info, so the access log writes its line per request.
         argv += ["--log-level", "info"]
         # Stopped as a process group: a gateway with workers leaves none behind.
         with process(argv, log=Path(tmp) / "gw.log", env=env, cwd=cwd) as proc:
-            wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=60)
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout_s=ready_s)
             name = "tokenlane" if workers == 1 else f"tokenlane x{workers}"
             name += "" if continuation else " (plain)"
             yield Running(name, port, proc.pid)

@@ -163,3 +163,25 @@ def test_the_mocks_paced_writes_wait_for_a_full_buffer_and_end_when_the_reader_i
         clock.run()
         assert isinstance(paced.done.exception(), ConnectionResetError)
         assert len(gone.writes) == written
+
+
+@pytest.mark.parametrize(
+    ("dump", "total"),
+    [
+        (
+            "version: 1\ncreator: callgrind-3.19.0\nevents: Ir\nfl=(1)\n0 5\ntotals: 123456\n",
+            123456,
+        ),
+        ("events: Ir Bc\nsummary: 987 65\n", 987),
+        ("events: Ir\nfl=(1)\n0 5\n", None),  # still being written: no totals yet
+        ("", None),
+    ],
+)
+def test_callgrind_total_reads_a_dumps_count(dump: str, total: int | None) -> None:
+    assert bench_ab.callgrind_total(dump) == total
+
+
+def test_bench_ab_counts_instructions_of_one_worker_a_tree_only() -> None:
+    with pytest.raises(SystemExit) as refused:
+        bench_ab.main(["--mode", "instructions", "--tree", f"{ROOT}:2"])
+    assert refused.value.code == 2
