@@ -25,9 +25,10 @@ noisiest part of the whole) and ITL p99 in ms; this is how continuation's cost p
 measured (``--tree .:1:off --tree .:1:on``). ``--mode instructions`` (burst mocks), per
 round: the instructions each gateway ran per request, counted by valgrind's callgrind over
 ``--requests`` requests from 8 clients (``apt-get install valgrind``; one worker a tree). The
-count does not drift with the machine as time does: a change of 1 % shows, where timed runs on
-this VM spread 20 %; it counts work, not stalls (cache and branch misses), so a change that
-moves work into or out of C is timed as well.
+count does not drift with the machine as time does (timed runs on this VM spread 20 %); two
+counts of one build differ by 1 to 2 % (what the health prober and scrapes do in the window),
+so a change of a few per cent shows. It counts work, not stalls (cache and branch misses): a
+change that moves work into or out of C is timed as well.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "instructions":
         if any(workers != 1 for _, _, workers, _ in specs):
             parser.error("--mode instructions counts one worker a tree")
+        if args.requests < 1:
+            parser.error("--requests must be at least 1")
         if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
             parser.error("--mode instructions needs valgrind (apt-get install valgrind)")
         results = run_counted(specs, args.rounds, args.requests)
@@ -132,10 +135,10 @@ def run(
 
 
 def callgrind_total(dump: str) -> int | None:
-    """The instructions a callgrind dump counted (its ``totals:`` line, or ``summary:``);
-    None while the dump is not complete."""
-    for line in dump.splitlines():
-        if line.startswith(("totals:", "summary:")):
+    """The instructions a callgrind dump counted: its ``totals:`` line, the dump's last, so
+    None while it is being written (its ``summary:``, in the header, comes first)."""
+    for line in reversed(dump.splitlines()):
+        if line.startswith("totals:"):
             return int(line.split()[1])
     return None
 
@@ -169,14 +172,22 @@ def run_counted(specs: list[Spec], rounds: int, requests: int) -> dict[str, dict
 
 
 def _control(flag: str, pid: int) -> None:
-    subprocess.run(["callgrind_control", flag, str(pid)], check=True, capture_output=True)
+    """``callgrind_control FLAG PID``; it exits 0 when it found no such run, so its words are
+    read too."""
+    done = subprocess.run(
+        ["callgrind_control", flag, str(pid)], capture_output=True, text=True, timeout=120
+    )
+    said = done.stdout + done.stderr
+    if done.returncode or "Error" in said or "No active" in said or "not detected" in said:
+        raise RuntimeError(f"callgrind_control {flag} {pid}: {said.strip()}")
 
 
 def _dumped(path: Path, timeout_s: float = 120.0) -> int:
     """The count in the dump at ``path``, once callgrind has written it whole."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if path.exists() and (total := callgrind_total(path.read_text(errors="replace"))):
+        total = callgrind_total(path.read_text(errors="replace")) if path.exists() else None
+        if total is not None:
             return total
         time.sleep(0.05)
     raise TimeoutError(f"no callgrind dump at {path} after {timeout_s:g} s")
@@ -190,7 +201,9 @@ async def _sequential(port: int, requests: int, clients: int = 8) -> None:
 
     async def one(conn: StreamClient, n: int) -> None:
         for _ in range(n):
-            await conn.send(payload)
+            # An answer that is not a finished stream (an error with a length) never ends
+            # ``send``: a loud failure rather than a hang.
+            await asyncio.wait_for(conn.send(payload), timeout=60)
 
     share, extra = divmod(requests, clients)
     await asyncio.gather(*(one(c, share + (i < extra)) for i, c in enumerate(conns)))

@@ -168,12 +168,11 @@ def test_the_mocks_paced_writes_wait_for_a_full_buffer_and_end_when_the_reader_i
 @pytest.mark.parametrize(
     ("dump", "total"),
     [
-        (
-            "version: 1\ncreator: callgrind-3.19.0\nevents: Ir\nfl=(1)\n0 5\ntotals: 123456\n",
-            123456,
-        ),
-        ("events: Ir Bc\nsummary: 987 65\n", 987),
-        ("events: Ir\nfl=(1)\n0 5\n", None),  # still being written: no totals yet
+        # As callgrind writes a dump: the summary in the header, the totals as its last line.
+        ("version: 1\nevents: Ir\nsummary: 123456\n\nfl=(1)\n0 5\n\ntotals: 123456\n", 123456),
+        ("events: Ir Bc\nsummary: 987 65\n\nfl=(1)\n0 5 1\n\ntotals: 987 65\n", 987),
+        ("version: 1\nevents: Ir\nsummary: 123456\n\nfl=(1)\n0 5\n", None),  # being written
+        ("events: Ir\nsummary: 0\n\ntotals: 0\n", 0),
         ("", None),
     ],
 )
@@ -181,7 +180,25 @@ def test_callgrind_total_reads_a_dumps_count(dump: str, total: int | None) -> No
     assert bench_ab.callgrind_total(dump) == total
 
 
-def test_bench_ab_counts_instructions_of_one_worker_a_tree_only() -> None:
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["--tree", f"{ROOT}:2"], "one worker a tree"),
+        (["--tree", str(ROOT), "--requests", "0"], "--requests must be at least 1"),
+    ],
+)
+def test_bench_ab_refuses_what_it_cannot_count(
+    argv: list[str],
+    refusal: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def never(*_: object) -> None:
+        raise AssertionError("gateways started")
+
+    monkeypatch.setattr(bench_ab, "run_counted", never)
+    monkeypatch.setattr(bench_ab.shutil, "which", lambda name: f"/usr/bin/{name}")
     with pytest.raises(SystemExit) as refused:
-        bench_ab.main(["--mode", "instructions", "--tree", f"{ROOT}:2"])
+        bench_ab.main(["--mode", "instructions", *argv])
     assert refused.value.code == 2
+    assert refusal in capsys.readouterr().err

@@ -494,6 +494,9 @@ def test_event_end_agrees_with_a_two_byte_search() -> None:
         ("chat", b'data: {"choices":[]}\n\n', False),
         ("completions", b"x" * 20_000 + b"data: [DONE]\n\n", True),  # a whole stream, one read
         ("chat", b"data: [DONE]" + b"\n" * 600, True),  # more whitespace than the last bytes
+        ("chat", b"data: [DONE]" + b"\n" * 252, True),  # the last bytes cut [DONE] in two
+        ("chat", b"x" * 300 + b"data: [DONE]" + b"\n" * 255, True),
+        ("chat", b"x" * 300 + b"data: [DONE]" + b"\n" * 244, True),
         ("chat", b"data: [DONE]\n\ndata: {}" + b" " * 300, False),
         ("chat", b"", False),
         ("chat", b"   \n", False),
@@ -514,3 +517,12 @@ def test_stream_complete_looks_at_the_end_only_as_far_as_it_must(
 )
 def test_contains_is_bytes_in(data: bytes, part: bytes) -> None:
     assert sse.contains(data, part) is (part in data)
+
+
+def test_stream_complete_of_chat_says_what_stripping_the_whole_end_says() -> None:
+    rnd = random.Random(7)
+    pieces = [b"x", b" ", b"\n", b"data: [DONE]", b"[DONE]", b"\t", b"]"]
+    for _ in range(20_000):
+        end = b"".join(rnd.choice(pieces) for _ in range(rnd.randrange(60)))
+        end += b"\n" * rnd.randrange(300)
+        assert sse.stream_complete("chat", end) is end.rstrip().endswith(sse.DONE), end

@@ -238,8 +238,8 @@ def stream_complete(kind: str, end: bytes) -> bool:
         # The last bytes, not the whole: ``end`` may be a whole stream read at once, and
         # stripping it copied it (14 KB for 64 tokens).
         last = end[-256:].rstrip()
-        if not last and len(end) > 256:
-            last = end.rstrip()  # nothing but whitespace at the end: look further back
+        if len(last) < len(DONE) and len(end) > 256:
+            last = end.rstrip()  # the end may be further back than the last bytes
         return last.endswith(DONE)
     return any(contains(end, m) for m in markers)
 
