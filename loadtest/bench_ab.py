@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from . import gateways
 from .bench_overhead import StreamClient, burst_run, connect, mocks, paced_run, stream_request
@@ -54,6 +55,12 @@ FIGURES = {
     "instructions": (("instructions/req", "instructions_per_req", 0),),
 }  # fmt: skip
 Spec = tuple[str, Path, int, bool]
+T = TypeVar("T")
+
+
+def _alternated(running: list[T], r: int) -> list[T]:
+    """Round ``r``'s order: as started in even rounds, reversed in odd ones."""
+    return running if r % 2 == 0 else running[::-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +129,7 @@ def run(
             if mode == "burst":
                 asyncio.run(burst_run(port, 1, 0.5, pid))
         for r in range(rounds):
-            for spec, port, pid in running if r % 2 == 0 else running[::-1]:
+            for spec, port, pid in _alternated(running, r):
                 if mode == "paced":
                     figures = asyncio.run(_paced(port, pid))
                 else:
@@ -161,12 +168,11 @@ def run_counted(specs: list[Spec], rounds: int, requests: int) -> dict[str, dict
         for _, port, _, _ in running:  # warm-up: pools, caches, the first requests' imports
             asyncio.run(_sequential(port, 200))
         for r in range(rounds):
-            for spec, port, pid, out in running if r % 2 == 0 else running[::-1]:
+            for spec, port, pid, out in _alternated(running, r):
                 _control("-z", pid)  # counters zeroed
                 asyncio.run(_sequential(port, requests))
-                dumps = len(list(out.parent.glob(f"{out.name}.{pid}.*")))
-                _control("-d", pid)  # counters dumped, to the next file
-                total = _dumped(out.parent / f"{out.name}.{pid}.{dumps + 1}")
+                _control("-d", pid)  # dumped: a round's dump is its gateway's (r + 1)th
+                total = _dumped(out.parent / f"{out.name}.{pid}.{r + 1}")
                 results[spec][key].append(total / requests)
     return results
 

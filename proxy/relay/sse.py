@@ -75,7 +75,7 @@ class EventBuffer:
         # vLLM ends events with "\n\n"; accept "\r\n\r\n" as other servers may send it.
         # Looking for the one byte is a memchr; looking for b"\r\n" in a buffer full of "\n"
         # costs 12 µs per 14 KB read.
-        if data.find(b"\r") >= 0:  # find, not ``in``: see ``contains``
+        if contains(data, b"\r"):
             data = data.replace(b"\r\n", b"\n")
         # The position lives on the buffer, not in the generator, so that a reader may take
         # several events at once between two of them (``pending``, ``advance``).
