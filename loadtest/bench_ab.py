@@ -28,7 +28,12 @@ round: the instructions each gateway ran per request, counted by valgrind's call
 count does not drift with the machine as time does (timed runs on this VM spread 20 %); two
 counts of one build differ by 1 to 2 % (what the health prober and scrapes do in the window),
 so a change of a few per cent shows. It counts work, not stalls (cache and branch misses): a
-change that moves work into or out of C is timed as well.
+change that moves work into or out of C is timed as well. ``--mode paced-instructions``, the
+same over the paced mocks: per round, ``--requests`` paced streams from 8 clients (8 at a
+time, so that the gateway, slowed 50-fold by callgrind, still reads one token a read as it
+does at full speed), the instructions divided by the chunks relayed (64 tokens, role, finish
+and ``[DONE]``: 67 a stream, as ``--mode paced`` divides its CPU): the per-chunk cost of
+``--mode paced``, counted.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ FIGURES = {
     "paced": (("CPU us/chunk", "cpu_us_per_chunk", 1), ("user us/chunk", "user_us_per_chunk", 1),
               ("ITL p99 ms", "itl_p99_ms", 2)),
     "instructions": (("instructions/req", "instructions_per_req", 0),),
+    "paced-instructions": (("instructions/chunk", "instructions_per_chunk", 0),),
 }  # fmt: skip
+COUNTED = ("instructions", "paced-instructions")  # the modes run under callgrind
+PACED_CHUNKS = 67  # a paced stream's relayed chunks: 64 tokens, role, finish, [DONE]
 Spec = tuple[str, Path, int, bool]
 T = TypeVar("T")
 
@@ -72,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=tuple(FIGURES), default="burst")
     parser.add_argument("--requests", type=int, default=400, help="instructions: per round")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="burst: a prompt this long")
+    parser.add_argument(
+        "--keep", type=Path, help="instructions: keep callgrind's dumps here (callgrind_annotate)"
+    )
     args = parser.parse_args(argv)
     if args.prompt_tokens and args.mode != "burst":
         parser.error("--prompt-tokens applies to --mode burst")
@@ -84,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(
             (label, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
         )
-    if args.mode == "instructions":
+    if args.mode in COUNTED:
         if any(workers != 1 for _, _, workers, _ in specs):
-            parser.error("--mode instructions counts one worker a tree")
+            parser.error(f"--mode {args.mode} counts one worker a tree")
         if args.requests < 1:
             parser.error("--requests must be at least 1")
         if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-            parser.error("--mode instructions needs valgrind (apt-get install valgrind)")
-        results = run_counted(specs, args.rounds, args.requests)
+            parser.error(f"--mode {args.mode} needs valgrind (apt-get install valgrind)")
+        paced = args.mode != "instructions"
+        results = run_counted(specs, args.rounds, args.requests, paced, args.keep)
     else:
         results = run(specs, args.mode, args.rounds, args.slice_s, args.prompt_tokens)
     columns = FIGURES[args.mode]
@@ -150,30 +162,59 @@ def callgrind_total(dump: str) -> int | None:
     return None
 
 
-def run_counted(specs: list[Spec], rounds: int, requests: int) -> dict[str, dict[str, list[float]]]:
-    """Every tree's gateway under callgrind at once over the same burst mocks; per round and
-    tree, the counters zeroed, ``requests`` sent, the count dumped and read."""
-    key = FIGURES["instructions"][0][1]
+def round_dumps(r: int) -> tuple[int, int]:
+    """Round ``r``'s two dumps, as callgrind numbers a run's dumps (1, 2, ...): the one that
+    opens it, thrown away, and the one it reads.
+
+    The counters are reset by a dump, not by ``callgrind_control -z``: a dump after a zero
+    read 1.7 times the instructions of a paced round (its ``totals`` 67.2 million against its
+    ``summary``'s 39.6), while with dumps alone the two agree and a round twice as long counts
+    twice (``docs/benchmarks.md``)."""
+    return 2 * r + 1, 2 * r + 2
+
+
+def run_counted(
+    specs: list[Spec], rounds: int, requests: int, paced: bool = False, keep: Path | None = None
+) -> dict[str, dict[str, list[float]]]:
+    """Every tree's gateway under callgrind at once over the same mocks (burst, or paced);
+    per round and tree, the counters reset (a dump), ``requests`` sent, the count dumped and read,
+    divided by the requests (burst) or the chunks relayed (paced). The dumps go to ``keep``
+    when given (``tree{i}.{pid}.{round}``), else to a directory removed after."""
+    key = FIGURES["paced-instructions" if paced else "instructions"][0][1]
+    per = requests * PACED_CHUNKS if paced else requests
     results: dict[str, dict[str, list[float]]] = {s[0]: {key: []} for s in specs}
-    with tempfile.TemporaryDirectory() as tmp, mocks(0) as ports, contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        mocks(50 if paced else 0) as ports,
+        contextlib.ExitStack() as stack,
+    ):
+        tmp = keep or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
         running: list[tuple[str, int, int, Path]] = []
         for i, (spec, tree, _, continuation) in enumerate(specs):
-            out = Path(tmp) / f"tree{i}"
+            out = tmp / f"tree{i}"
             wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p"]
             # Under valgrind the start (imports, the compiled build's load) takes a minute.
-            gw = stack.enter_context(
-                gateways.tokenlane(ports, 1, continuation, cwd=tree, wrap=wrap, ready_s=600)
+            # The replicas scraped once an hour, not each second: a scrape of the two mocks
+            # runs about 1.6 million instructions under callgrind, which in a 13 s paced round
+            # of 16 streams was half the count; it is the fleet's cost per second, not the
+            # relay's per request.
+            started = gateways.tokenlane(
+                ports, 1, continuation, cwd=tree, wrap=wrap, ready_s=600, health_interval_s=3600
             )
+            gw = stack.enter_context(started)
             running.append((spec, gw.port, gw.pid, out))
         for _, port, _, _ in running:  # warm-up: pools, caches, the first requests' imports
-            asyncio.run(_sequential(port, 200))
+            asyncio.run(_sequential(port, 16 if paced else 200))
         for r in range(rounds):
             for spec, port, pid, out in _alternated(running, r):
-                _control("-z", pid)  # counters zeroed
+                opening, counted = round_dumps(r)
+                _control("-d", pid)
+                _dumped(out.parent / f"{out.name}.{pid}.{opening}")
                 asyncio.run(_sequential(port, requests))
-                _control("-d", pid)  # dumped: a round's dump is its gateway's (r + 1)th
-                total = _dumped(out.parent / f"{out.name}.{pid}.{r + 1}")
-                results[spec][key].append(total / requests)
+                _control("-d", pid)
+                total = _dumped(out.parent / f"{out.name}.{pid}.{counted}")
+                results[spec][key].append(total / per)
     return results
 
 

@@ -64,11 +64,14 @@ def tokenlane(
     redis_url: str | None = None,
     wrap: list[str] | None = None,
     ready_s: float = 60.0,
+    health_interval_s: float | None = None,
 ) -> Iterator[Running]:
     """A Tokenlane gateway over ``upstreams``; ``continuation`` off relays every stream plain
     (ineligible). ``cwd``: the source tree it runs from (a git worktree; ours when None);
     ``env``: more of its environment; ``redis_url``: the shared state it uses; ``wrap``: a
-    command it runs under (``valgrind ...``), given ``ready_s`` to answer ``/ready``."""
+    command it runs under (``valgrind ...``), given ``ready_s`` to answer ``/ready``;
+    ``health_interval_s``: its replicas' scrape period (``health.interval_s``), when not the
+    default."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "policy.yaml"
@@ -76,6 +79,8 @@ def tokenlane(
         policy["continuation"] = {"enabled": continuation}
         if redis_url:
             policy["redis"] = {"url": redis_url}
+        if health_interval_s is not None:
+            policy["health"] = {"interval_s": health_interval_s}
         path.write_text(yaml.safe_dump(policy))
         argv = [*(wrap or []), sys.executable, "-m", "proxy", "serve", "--config", str(path)]
         # As `make run`: info, so the access log writes its line per request.

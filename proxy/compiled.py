@@ -61,6 +61,10 @@ MODULES = (
     "proxy.routing.pick",
     "proxy.routing.profile",
 )
+# Written in C, built beside them and used only with them: the scan every token of an
+# eligible stream goes through (``continuation.scan_events`` is its contract, in Python).
+NATIVE = ("proxy.relay._tokenscan",)
+BUILT = (*MODULES, *NATIVE)  # what a build holds, each with its source's digest
 # mypyc's shared library of the group: the modules' code, imported by each of them by name.
 GROUP = "tokenlane_hotpath"
 OFF = "TOKENLANE_INTERPRETED"
@@ -77,10 +81,10 @@ def build_dir(root: Path = ROOT) -> Path:
 
 
 def source_of(module: str, root: Path = ROOT) -> Path:
-    return root.joinpath(*module.split(".")).with_suffix(".py")
+    return root.joinpath(*module.split(".")).with_suffix(".c" if module in NATIVE else ".py")
 
 
-def digests(modules: Sequence[str] = MODULES, root: Path = ROOT) -> dict[str, str]:
+def digests(modules: Sequence[str] = BUILT, root: Path = ROOT) -> dict[str, str]:
     """Each module's source sha256; a module whose source is missing has none."""
     out: dict[str, str] = {}
     for module in modules:
@@ -101,11 +105,11 @@ def current(manifest: dict[str, object], sources: dict[str, str]) -> str | None:
     """Why a build with ``manifest`` may not run the ``sources`` (their digests); None: it may.
     A pure function, so that the rule has table tests."""
     built = manifest.get("modules")
-    if not isinstance(built, dict) or set(built) != set(MODULES):
+    if not isinstance(built, dict) or set(built) != set(BUILT):
         return "built from another list of modules"
-    if set(sources) != set(MODULES):
+    if set(sources) != set(BUILT):
         return "a compiled module's source is missing"
-    changed = sorted(m for m in MODULES if built[m] != sources[m])
+    changed = sorted(m for m in BUILT if built[m] != sources[m])
     if changed:
         more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
         return f"{changed[0]}{more} changed since the build (make run or make test rebuilds it)"
@@ -137,7 +141,7 @@ def stale(root: Path = ROOT) -> str | None:
         manifest = json.loads((build_dir(root) / MANIFEST).read_text())
     except (OSError, ValueError):
         return "no compiled build: make run or make test builds it"
-    return current(manifest, digests(MODULES, root))
+    return current(manifest, digests(BUILT, root))
 
 
 def install(root: Path = ROOT) -> str:
@@ -158,17 +162,19 @@ def _install(root: Path) -> str:
     if why is not None:
         return f"interpreted ({why})"
     build = build_dir(root)
-    files = {name: extension_of(name, build) for name in (*MODULES, f"{GROUP}__mypyc")}
+    files = {name: extension_of(name, build) for name in (*BUILT, f"{GROUP}__mypyc")}
     if not all(f.is_file() for f in files.values()):
         return "interpreted (the build is incomplete)"
     sys.meta_path.insert(0, CompiledFinder(files))
-    return f"compiled ({len(MODULES)} modules, mypyc)"
+    return f"compiled ({len(MODULES)} modules, mypyc; {len(NATIVE)} in C)"
 
 
 __all__ = [
+    "BUILT",
     "GROUP",
     "MANIFEST",
     "MODULES",
+    "NATIVE",
     "OFF",
     "CompiledFinder",
     "build_dir",

@@ -31,12 +31,15 @@ def main(argv: list[str]) -> int:
     sources = compiled.digests()
     try:
         from mypyc.build import mypycify
-        from setuptools import setup
+        from setuptools import Extension, setup
     except ImportError as exc:
         print(f"compile: {exc}; the gateway runs interpreted", file=sys.stderr)
         return 0
     started = time.monotonic()
-    print(f"compile: building {len(compiled.MODULES)} modules with mypyc into {build} ...")
+    print(
+        f"compile: building {len(compiled.MODULES)} modules with mypyc and"
+        f" {len(compiled.NATIVE)} in C into {build} ..."
+    )
     shutil.rmtree(build, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="tokenlane-mypyc-") as tmp:
         os.chdir(ROOT)
@@ -46,6 +49,14 @@ def main(argv: list[str]) -> int:
                 group_name=compiled.GROUP,
                 target_dir=str(Path(tmp) / "c"),
             )
+            extensions += [
+                Extension(
+                    name,
+                    [str(compiled.source_of(name).relative_to(ROOT))],
+                    extra_compile_args=["-O2", "-Wall", "-Werror"],
+                )
+                for name in compiled.NATIVE
+            ]
             setup(
                 name="tokenlane-compiled",
                 ext_modules=extensions,

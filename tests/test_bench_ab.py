@@ -180,6 +180,13 @@ def test_callgrind_total_reads_a_dumps_count(dump: str, total: int | None) -> No
     assert bench_ab.callgrind_total(dump) == total
 
 
+def test_a_rounds_count_is_the_dump_after_its_opening_dump() -> None:
+    # Callgrind numbers a run's dumps 1, 2, ...: each round opens with one (the counters
+    # reset) and ends with the one it reads.
+    assert [bench_ab.round_dumps(r) for r in range(3)] == [(1, 2), (3, 4), (5, 6)]
+
+
+@pytest.mark.parametrize("mode", ["instructions", "paced-instructions"])
 @pytest.mark.parametrize(
     ("argv", "refusal"),
     [
@@ -188,6 +195,7 @@ def test_callgrind_total_reads_a_dumps_count(dump: str, total: int | None) -> No
     ],
 )
 def test_bench_ab_refuses_what_it_cannot_count(
+    mode: str,
     argv: list[str],
     refusal: str,
     capsys: pytest.CaptureFixture[str],
@@ -199,6 +207,6 @@ def test_bench_ab_refuses_what_it_cannot_count(
     monkeypatch.setattr(bench_ab, "run_counted", never)
     monkeypatch.setattr(bench_ab.shutil, "which", lambda name: f"/usr/bin/{name}")
     with pytest.raises(SystemExit) as refused:
-        bench_ab.main(["--mode", "instructions", *argv])
+        bench_ab.main(["--mode", mode, *argv])
     assert refused.value.code == 2
     assert refusal in capsys.readouterr().err

@@ -20,7 +20,7 @@ PROBE = (
     "import proxy, proxy.compiled as c, proxy.relay.relay as r; print(c.status); print(r.__file__)"
 )
 
-SAME = {m: "d" for m in compiled.MODULES}
+SAME = {m: "d" for m in compiled.BUILT}
 
 
 @pytest.mark.parametrize(
@@ -28,8 +28,12 @@ SAME = {m: "d" for m in compiled.MODULES}
     [
         (SAME, SAME, None),
         ({**SAME, "proxy.extra": "d"}, SAME, "built from another list of modules"),
-        ({m: "d" for m in compiled.MODULES[1:]}, SAME, "built from another list of modules"),
-        (SAME, {m: "d" for m in compiled.MODULES[1:]}, "a compiled module's source is missing"),
+        ({m: "d" for m in compiled.BUILT[1:]}, SAME, "built from another list of modules"),
+        (SAME, {m: "d" for m in compiled.BUILT[1:]}, "a compiled module's source is missing"),
+        # The C module is part of the build: built without it, or its source missing.
+        ({m: "d" for m in compiled.MODULES}, SAME, "built from another list of modules"),
+        (SAME, {m: "d" for m in compiled.MODULES}, "a compiled module's source is missing"),
+        (SAME, {**SAME, compiled.NATIVE[0]: "e"}, f"{compiled.NATIVE[0]} changed since"),
         (SAME, {**SAME, compiled.MODULES[3]: "e"}, f"{compiled.MODULES[3]} changed since"),
         (
             SAME,
@@ -108,6 +112,17 @@ def test_one_edited_module_leaves_the_whole_build(tmp_path: Path) -> None:
     status, file = _probe(tmp_path)
     assert status.startswith(f"interpreted ({compiled.MODULES[0]} changed since the build")
     assert file == str(tmp_path / "proxy" / "relay" / "relay.py")  # not only the edited one
+
+
+def test_an_edited_c_source_leaves_the_whole_build(tmp_path: Path) -> None:
+    _build_present()
+    _current_copy(tmp_path)
+    edited = compiled.source_of(compiled.NATIVE[0], tmp_path)
+    assert edited.suffix == ".c"
+    edited.write_text(edited.read_text() + "\n/* edited */\n")
+    status, file = _probe(tmp_path)
+    assert status.startswith(f"interpreted ({compiled.NATIVE[0]} changed since the build")
+    assert file == str(tmp_path / "proxy" / "relay" / "relay.py")
 
 
 def test_a_build_for_other_modules_is_not_used(tmp_path: Path) -> None:

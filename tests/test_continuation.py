@@ -24,6 +24,7 @@ from proxy.edge.asgi_ext import (
     START_WITH_BODY,
     ClientGoneHook,
 )
+from proxy.relay import continuation as cont
 from proxy.relay.continuation import (
     _REFUSAL_WHY,
     Refusal,
@@ -135,6 +136,46 @@ def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:
 )  # fmt: skip
 def test_strip_ids_only_touches_the_id_lists(event: bytes, want: bytes) -> None:
     assert strip_ids(event) == want
+
+
+@pytest.mark.parametrize(
+    ("event", "want"),
+    [
+        # The common end: the one list, the event's last value, nulled without the scan.
+        (b'data: {"choices":[{"delta":{"content":"a"},"token_ids":[12,7]}]}',
+         b'data: {"choices":[{"delta":{"content":"a"},"token_ids":null}]}'),
+        (b'data: {"choices":[{"text":"","token_ids":[]}]}',
+         b'data: {"choices":[{"text":"","token_ids":null}]}'),
+        # At the end but not plain (a space, a leading zero): the scan decides.
+        (b'data: {"choices":[{"token_ids":[1, 2]}]}', b'data: {"choices":[{"token_ids":null}]}'),
+        (b'data: {"choices":[{"token_ids":[01]}]}', b'data: {"choices":[{"token_ids":null}]}'),
+        # Two keys, the last at the end: both nulled.
+        (b'data: {"prompt_token_ids":[5],"choices":[{"token_ids":[1]}]}',
+         b'data: {"prompt_token_ids":null,"choices":[{"token_ids":null}]}'),
+        # The key's text escaped inside content, the real list at the end.
+        (b'data: {"choices":[{"text":"\\"token_ids\\":[1]}]}","token_ids":[3]}]}',
+         b'data: {"choices":[{"text":"\\"token_ids\\":[1]}]}","token_ids":null}]}'),
+    ],
+)  # fmt: skip
+def test_strip_ids_at_an_events_end(event: bytes, want: bytes) -> None:
+    assert strip_ids(event) == want
+
+
+def test_strip_ids_common_end_is_the_scans_result() -> None:
+    # Random events around the common end: the fast path and the scan of every list agree.
+    rng = random.Random(11)
+    pieces = [b"1", b"23", b"0", b"01", b",", b" ", b"]", b"[", b'"', b'token_ids":', b"x"]
+    for _ in range(20_000):
+        ids = b"".join(rng.choice(pieces) for _ in range(rng.randrange(0, 6)))
+        key = rng.choice(
+            [b'"token_ids":', b'"prompt_token_ids":', b'token_ids":', b'"token_ids": ']
+        )
+        head = rng.choice([b'data: {"choices":[{"text":"a",', b'data: {"token_ids":[4],"c":[{',
+                           b"", b'{"t":"\"token_ids\":[2]",'])  # fmt: skip
+        event = head + key + b"[" + ids + rng.choice([b"]}]}", b"]}", b"]}]}]}", b"}]}"])
+        i = event.find(b'token_ids":')
+        want = event if i < 0 else cont._strip_every_list(event, i)
+        assert strip_ids(event) == want, event
 
 
 @pytest.mark.parametrize(

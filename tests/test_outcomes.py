@@ -6,6 +6,8 @@ import asyncio
 import io
 import json
 import logging
+import math
+import random
 import weakref
 
 import httpx
@@ -13,7 +15,7 @@ import pytest
 
 from loadtest.fake_upstream import running
 from proxy.observe import accessline, accesslog
-from proxy.observe.accessline import record_of, write_line
+from proxy.observe.accessline import record_of, rounded, write_line
 from proxy.observe.accesslog import flush_lines
 from proxy.observe.metrics import Metrics
 from proxy.observe.outcomes import FLUSH_S, MAX_QUEUED, Outcomes
@@ -329,3 +331,32 @@ def test_lines_held_for_a_batch_are_written_at_exit() -> None:
         assert json.loads(stream.getvalue())["request_id"] == "r-1"
     finally:
         log.removeHandler(handler)
+
+
+@pytest.mark.parametrize(
+    ("value", "scale", "expected"),
+    [
+        (1732844400.12345, 1000.0, 1732844400.123),
+        (1732844400.1236, 1000.0, 1732844400.124),
+        (12.3456, 100.0, 12.35),
+        (0.0, 100.0, 0.0),
+        (0.004, 100.0, 0.0),
+        (999.999, 100.0, 1000.0),
+        (float("inf"), 100.0, float("inf")),
+    ],
+)
+def test_rounded_is_round_to_the_scale(value: float, scale: float, expected: float) -> None:
+    assert rounded(value, scale) == expected
+
+
+def test_rounded_prints_as_round_does_but_for_ties() -> None:
+    # Away from a tie both give the same double, so the access line prints the same text.
+    rng = random.Random(7)
+    for _ in range(20_000):
+        ms = rng.uniform(0, 100_000)
+        ts = rng.uniform(1.6e9, 2.0e9)
+        for value, scale, digits in ((ms, 100.0, 2), (ts, 1000.0, 3)):
+            scaled = value * scale
+            if abs(scaled - math.floor(scaled) - 0.5) < 1e-6:
+                continue  # a tie, or near enough that the product's error decides it
+            assert repr(rounded(value, scale)) == repr(round(value, digits))

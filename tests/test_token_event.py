@@ -6,6 +6,7 @@ the parser."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from typing import Any
 
@@ -14,11 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadtest.sim.formats import StreamFormat
+from proxy import compiled
 from proxy.fleet.replica import make_replica
 from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
 from proxy.relay.call import Attempt, Call
-from proxy.relay.continuation import Splice, ids_end, plain_ids, strip_ids
+from proxy.relay.continuation import (
+    SCAN,
+    Splice,
+    ids_end,
+    plain_ids,
+    scan_events,
+    strip_ids,
+)
 from proxy.relay.resume import _TokenRelay
 from proxy.relay.sse import EventBuffer
 
@@ -315,6 +324,19 @@ def test_a_run_ends_before_a_chunk_that_is_not_plainly_one(bad: bytes) -> None:
     assert sp.ids == [7, 1, 1]
 
 
+@pytest.mark.parametrize(
+    "end",
+    [b"]}]}\n", b"]}]}\r\n\r\n", b"]}]\n\n", b"]}]}}\n\n", b"]]}}\n\n", b"]}]}\n \n", b"]"],
+)
+def test_a_run_ends_at_an_event_whose_end_is_not_the_token_chunks(end: bytes) -> None:
+    good = chat_chunk(" a", [1])
+    odd = chat_chunk(" b", [2])[: -len(b"]}]}")] + end
+    read = good + b"\n\n" + odd
+    sp = learned()
+    assert sp.take_run(read, 0, False) == (good + b"\n\n", len(good) + 2)
+    assert sp.ids == [7, 1]
+
+
 def test_a_run_takes_ids_at_the_edges_of_plain() -> None:
     """Zeros alone, 18 digits, several ids: plain, as vLLM writes them (``plain_ids``)."""
     edges = [[0], [0, 0, 10], [10**17, 999_999_999_999_999_999], []]
@@ -448,3 +470,86 @@ def test_token_chunks_that_came_in_one_read_go_out_in_one_write_and_the_rest_is_
     half = more[:-1]
     assert flow(more + half) == half  # a whole token, then one still coming
     assert sp.ids == [8, 10, 11, 12, 20, 20] and len(writer.written) == 4
+
+
+# ---------------------------------------------------------------- the scan in C (_tokenscan.c)
+
+
+def test_the_compiled_build_scans_in_c() -> None:
+    if compiled.status.startswith("compiled"):
+        assert SCAN is not scan_events  # the C module came with the build
+    else:
+        assert SCAN is scan_events
+
+
+def _c_scan() -> Any:
+    if SCAN is scan_events:
+        pytest.skip(f"no C scan: the gateway runs {compiled.status}")
+    return SCAN
+
+
+TEMPLATES = {
+    "chat": (FIRST["chat"][: FIRST["chat"].index(b'"Hi"') + 1],
+             FIRST["chat"][FIRST["chat"].index(b'"Hi"') + 3 : FIRST["chat"].rindex(b"[") + 1]),
+    "completion": (
+        FIRST["completion"][: FIRST["completion"].index(b'"Hi"') + 1],
+        FIRST["completion"][
+            FIRST["completion"].index(b'"Hi"') + 3 : FIRST["completion"].rindex(b"[") + 1
+        ],
+    ),
+}  # fmt: skip
+TEXTS = [b"", b" a", b"tok12", b'x\\"y', b"q\\", b'"', b"\\\\", "é".encode(), b"a]}]}"]
+IDS = [b"", b"1", b"0", b"12,13", b"007", b"1,", b",1", b"1,,2", b"9" * 18, b"9" * 19, b"1 ,2"]
+ENDS = [b"", b"]}]}\n\n", b"]}]}\n", b"]}]}\r\n\r\n", b"]}]\n\n", b"]}]}}\n\n"]
+
+
+def _event(rng: random.Random, head: bytes, tail: bytes) -> bytes:
+    # Mostly a token chunk (the second of each list), so that runs of several are met often.
+    text, ids, end = (rng.choice(x) if rng.random() < 0.4 else x[1] for x in (TEXTS, IDS, ENDS))
+    ev = head + text + tail + ids + end
+    if rng.random() < 0.1:  # a byte changed anywhere: head, tail, or the end
+        i = rng.randrange(len(ev))
+        ev = ev[:i] + bytes([rng.randrange(256)]) + ev[i + 1 :]
+    if rng.random() < 0.05:
+        ev = ev[: rng.randrange(len(ev) + 1)]  # cut short
+    return ev
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_c_scan_gives_what_the_python_scan_gives(kind: str) -> None:
+    native = _c_scan()
+    head, tail = TEMPLATES[kind]
+    rng = random.Random(13)
+    for _ in range(30_000):
+        events = [_event(rng, head, tail) for _ in range(rng.choice([1, 1, 2, 3, 8]))]
+        data = b"".join(events)
+        start = rng.choice([0, 0, len(events[0]), rng.randrange(len(data) + 2)])
+        for strip in (False, True):
+            for single in (False, True):
+                args = (data, start, head, tail, strip, single)
+                assert native(*args) == scan_events(*args), args
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(
+    data=st.binary(max_size=300), start=st.integers(-2, 310), head=st.binary(max_size=8),
+    tail=st.binary(max_size=8), strip=st.booleans(), single=st.booleans(),
+)  # fmt: skip
+def test_the_c_scan_takes_any_bytes_as_python_does(
+    data: bytes, start: int, head: bytes, tail: bytes, strip: bool, single: bool
+) -> None:
+    # Whatever it is given, no read outside the bytes: the two agree (or both find nothing).
+    native = _c_scan()
+    assert native(data, start, head, tail, strip, single) == scan_events(
+        data, start, head, tail, strip, single
+    )
+
+
+def test_the_c_scan_refuses_what_is_not_bytes() -> None:
+    native = _c_scan()
+    with pytest.raises(TypeError):
+        native("text", 0, b"h", b"[", True, True)
+    with pytest.raises(TypeError):
+        native(b"x", 0, b"h")
+    with pytest.raises(OverflowError):
+        native(b"x", 2**70, b"h", b"[", True, True)

@@ -20,6 +20,7 @@ rewriting they protect read side by side.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Final
 
@@ -230,7 +231,8 @@ _TEMPLATE_MARK = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
 _TOKEN_IDS: Final = b'"token_ids":['
 _TOKEN_END: Final = b"]}]}"  # the ids' list, the choice, the choices, the chunk
 _TOKEN_CHUNK_END: Final = _TOKEN_END + b"\n\n"
-_NULLED_END: Final = b"null}]}\n\n"  # the same end, the ids nulled, the event ended
+_NULLED: Final = b"null}]}"  # the same end, the ids nulled
+_NULLED_END: Final = _NULLED + b"\n\n"  # and the event ended
 _TOP_KEYS = frozenset(("id", "object", "created", "model", "choices"))
 _CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason", "stop_reason",
                           "prompt_token_ids", "token_ids"))  # fmt: skip
@@ -310,6 +312,26 @@ def strip_ids(event: bytes) -> bytes:
     i = event.find(_IDS_KEY)
     if i < 0:
         return event
+    # The common event: one key, its plain ids the event's last value (a finish chunk, a first
+    # token chunk). Nulled as the scan below nulls it, without its calls with a position (each
+    # a format string parsed): 10,000 instructions an event to 1,500 (callgrind).
+    value = i + len(_IDS_KEY)
+    end = len(event) - len(_TOKEN_END)
+    if (
+        event.endswith(_TOKEN_END)
+        and event.rfind(_IDS_KEY) == i
+        and i > 0
+        and event[i - 1] == 0x22  # '"': the key's start
+        and value < end
+        and event[value] == 0x5B  # "["
+        and ids_end(event, value + 1, end) == end
+    ):
+        return event[:value] + _NULLED
+    return _strip_every_list(event, i)
+
+
+def _strip_every_list(event: bytes, i: int) -> bytes:
+    """``strip_ids`` of any event, from its first key at ``i``."""
     parts: list[bytes] = []
     done = 0  # event[:done] is in parts
     while i >= 0:
@@ -329,6 +351,74 @@ def strip_ids(event: bytes) -> bytes:
         return event
     parts.append(event[done:])
     return b"".join(parts)
+
+
+Scanned = tuple[bytes, bytes, int, bool]  # (out, ids, stop, text): ``scan_events``
+
+
+def scan_events(
+    data: bytes, start: int, head: bytes, tail: bytes, strip: bool, single: bool
+) -> Scanned | None:
+    """The ordinary token chunks of a template (``Splice.learn_template``: its ``head`` and
+    ``tail``, which ends in the ids' ``[``) from ``data[start]``: each the head, a text holding
+    no quote and not ending in a backslash (its closing quote could be an escaped one), the
+    tail, plain ids (``ids_end``), ``]}]}\\n\\n``. ``single``: ``data`` is one such event and
+    nothing else, its text maybe empty (``take_chunk``); else the run of such events with
+    text from ``start`` (``take_run``). (The events as they go to the client, their ids
+    nulled when ``strip``; their ids joined with commas; where they end; whether any has
+    text.) None when there is none.
+
+    The contract ``proxy/relay/_tokenscan.c`` implements in C, used when the compiled build
+    is (``SCAN``): every token of an eligible stream goes through it. This is its reference
+    (``tests/test_token_event.py`` holds the two to the same results) and the interpreted
+    gateway's scan."""
+    n = len(data)
+    if start < 0 or start > n or not tail.endswith(b"["):
+        return None
+    h = len(head)
+    a = len(tail)
+    kept: list[bytes] = []  # each event up to its ids' list, "[" excluded
+    lists: list[bytes] = []  # the ids inside each list, when there are any
+    stop = start
+    text = False
+    while data.startswith(head, stop):
+        k0 = stop + h
+        k = data.find(b'"', k0)  # the text's end
+        if k < 0 or (k > k0 and data[k - 1] == 0x5C) or not data.startswith(tail, k):
+            break
+        i0 = k + a
+        j = ids_end(data, i0, n)
+        if j < 0 or not data.startswith(_TOKEN_CHUNK_END, j):
+            break
+        if single:
+            if stop != 0 or j + len(_TOKEN_CHUNK_END) != n:
+                return None  # a read of more than the one event
+        elif k == k0:
+            break  # a run holds texts: an empty one is parsed
+        if j > i0:
+            lists.append(data[i0:j])
+        kept.append(data[stop : i0 - 1])
+        text = text or k > k0
+        stop = j + len(_TOKEN_CHUNK_END)
+        if single:
+            break
+    if not kept:
+        return None
+    out = _NULLED_END.join([*kept, b""]) if strip else data[start:stop]
+    return out, b",".join(lists), stop, text
+
+
+def _native_scan() -> Callable[[bytes, int, bytes, bytes, bool, bool], Scanned | None]:
+    """``scan_events`` in C when the compiled build is in use (``proxy/compiled.py`` finds
+    ``proxy.relay._tokenscan`` in it), else in Python."""
+    try:
+        from proxy.relay._tokenscan import scan
+    except ImportError:
+        return scan_events
+    return scan
+
+
+SCAN: Final = _native_scan()
 
 
 class Splice:
@@ -516,7 +606,7 @@ class Splice:
         when it is an ordinary token chunk whose text holds no quote or backslash."""
         if not _TOP_KEYS.issuperset(obj) or not event.endswith(_TOKEN_END):
             return
-        if _PROMPT_IDS in event:
+        if sse.contains(event, _PROMPT_IDS):
             return  # the first chunk, its ids nulled by ``parse``: no later chunk has them
         choices = obj.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
@@ -536,7 +626,7 @@ class Splice:
         start += len(mark)
         end = event.find(b'"', start)
         ids_at = event.rfind(_TOKEN_IDS)
-        if end < 0 or b"\\" in event[start:end] or ids_at < end:
+        if end < 0 or event.find(b"\\", start, end) >= 0 or ids_at < end:
             return
         self.head = event[:start]
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
@@ -546,57 +636,21 @@ class Splice:
         ordinary token chunk of the learned template, as ``observe`` would note it without
         parsing it: (the event as it goes to the client, its ids nulled when ``strip``;
         whether it holds text). None when it is not one (a read that stops short of its
-        ``\\n\\n`` is not: its end may still come): it is to be parsed.
-
-        Indexing, slices and comparisons, which compiled code does itself, rather than
-        ``find``/``startswith`` with a position, each a method call whose arguments Python
-        3.11 parses through a format string: it runs for every token, in the upstream
-        connection's callback, between system calls that leave the caches cold, where the
-        calls measured 2.8 µs a chunk (median) against 0.65 µs in a loop
-        (``docs/benchmarks.md``)."""
+        ``\\n\\n`` is not: its end may still come): it is to be parsed. It runs for every
+        token, in the upstream connection's callback: ``scan_events``, in C when built."""
         head = self.head
-        if head is None or not chunk.endswith(_TOKEN_CHUNK_END) or not chunk.startswith(head):
+        if head is None:
             return None
-        # The ids' list, read back from its "]" to its "[": digits and commas.
-        i = len(chunk) - 7
-        c = chunk[i]
-        one = True  # no comma: one id (or none)
-        while 0x30 <= c <= 0x39 or c == 0x2C:
-            one = one and c != 0x2C
-            i -= 1
-            c = chunk[i]
-        # Before the "[", the tail (which ends in it); before the tail, the text from the
-        # head's end: no quote in it (a text holding one, escaped, is parsed), and not ending
-        # in a backslash (its closing quote could be an escaped one).
-        tail = self.tail
-        h = len(head)
-        t = i + 1 - len(tail)
-        if c != 0x5B or t < h or chunk[t : i + 1] != tail:
+        got = SCAN(chunk, 0, head, self.tail, strip, True)
+        if got is None:
             return None
-        k = h
-        while k < t:
-            if chunk[k] == 0x22:
-                return None
-            k += 1
-        if t > h and chunk[t - 1] == 0x5C:
-            return None
-        n = len(chunk) - 7 - i
-        if n:
-            # One plain id (``ids_end``'s rule for one, spelled out: the common case), or
-            # several, scanned.
-            first = chunk[i + 1]
-            if not (one and n <= 18 and (n == 1 or first != 0x30)) and (
-                ids_end(chunk, i + 1, i + 1 + n) != i + 1 + n
-            ):
-                return None
-            self.lists.append(chunk[i + 1 : i + 1 + n])
-        text = t > h
+        out, ids, _, text = got
+        if ids:
+            self.lists.append(ids)
         if text:
             self.reasoning_open = False
             self.shown = len(self.lists)
-        if strip:
-            return chunk[:i] + _NULLED_END, text
-        return chunk, text
+        return out, text
 
     def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """``take_chunk`` of an event split from a read, without its ``\\n\\n``."""
@@ -606,51 +660,19 @@ class Splice:
         """The ordinary token chunks with text that follow one another in ``data`` from
         ``start`` (an event's start), noted as ``take_event`` notes each: (the events as they
         go to the client, ``\\n\\n`` ended and ids nulled when ``strip``; where they end). None
-        when the event at ``start`` is not one.
-
-        ``take_chunk``'s checks in one loop, without a call or a result per event: an event
-        of a read of 64 costs 0.3 µs against 0.8 µs one by one (``loadtest/bench_parse.py``),
-        their ids one noted list."""
+        when the event at ``start`` is not one. Their ids are one noted list."""
         head = self.head
-        if head is None or not data.startswith(head, start):
+        if head is None:
             return None
-        h = len(head)
-        tail = self.tail
-        a = len(tail) - 1  # the tail up to its "[" (the ids' list's opening)
-        kept: list[bytes] = []  # each event up to its ids' list, "[" excluded
-        lists: list[bytes] = []  # the bytes inside each ids' list
-        stop = start  # where the run ends in ``data``: an event's start
-        n = len(data)
-        # Indexing, slices and comparisons, which compiled code does itself (``take_chunk``):
-        # a method call with a position costs a format string's parse in Python 3.11, and
-        # splitting the read first costs more than the events' checks (``docs/benchmarks.md``).
-        while data[stop : stop + h] == head:
-            # The text, up to the first quote: not empty, not ending in a backslash.
-            k = stop + h
-            while k < n and data[k] != 0x22:
-                k += 1
-            if k >= n or k == stop + h or data[k - 1] == 0x5C or data[k : k + a + 1] != tail:
-                break
-            # The ids, plain (``ids_end``), then the event's end. An event with any other ids
-            # ends the run before it: it is parsed.
-            i0 = k + a + 1
-            j = ids_end(data, i0, n)
-            if j < 0 or data[j : j + 6] != _TOKEN_CHUNK_END:
-                break
-            lists.append(data[i0:j])
-            kept.append(data[stop : k + a])
-            stop = j + 6
-        if not kept:
+        got = SCAN(data, start, head, self.tail, strip, False)
+        if got is None:
             return None
-        ids = b",".join(filter(None, lists))
+        out, ids, stop, _ = got
         if ids:
             self.lists.append(ids)
         self.reasoning_open = False
         self.shown = len(self.lists)
-        if strip:
-            kept.append(b"")  # the last event's end too, in the join (not a copy after it)
-            return _NULLED_END.join(kept), stop
-        return data[start:stop], stop
+        return out, stop
 
     # -- the seam --------------------------------------------------------------------------
 

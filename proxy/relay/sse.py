@@ -305,18 +305,18 @@ def finish_reasons_of(obj: Any) -> list[str]:
 def last_finish_reasons(tail: bytes) -> list[str]:
     """Every choice's ``finish_reason`` from the last events of a stream (vLLM sends each in
     the choice's last chunk, just before the usage chunk and ``[DONE]``)."""
-    if b"\r" in tail:
+    if contains(tail, b"\r"):
         tail = tail.replace(b"\r\n", b"\n")
     reasons: list[str] = []
     for event in tail.split(b"\n\n"):
-        if b'"finish_reason"' in event:  # a partial first event parses to None
+        if contains(event, b'"finish_reason"'):  # a partial first event parses to None
             reasons.extend(finish_reasons_of(parse_event(event.strip())))
     return reasons
 
 
 def last_usage(tail: bytes) -> dict[str, Any] | None:
     """``usage`` from the last events of a stream (vLLM sends it just before ``[DONE]``)."""
-    if b"\r" in tail:  # as EventBuffer does: accept CRLF line ends
+    if contains(tail, b"\r"):  # as EventBuffer does: accept CRLF line ends
         tail = tail.replace(b"\r\n", b"\n")
     idx = tail.rfind(b'"usage"')
     if idx < 0:
