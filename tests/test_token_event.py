@@ -530,6 +530,22 @@ def test_the_c_scan_gives_what_the_python_scan_gives(kind: str) -> None:
                 assert native(*args) == scan_events(*args), args
 
 
+@pytest.mark.parametrize("bad_at", [None, 0, 127, 128, 129, 250])
+def test_the_c_scan_takes_a_run_longer_than_it_keeps(bad_at: int | None) -> None:
+    # The C scan keeps a read's first 128 events between its passes and matches the rest
+    # again: a run of 300, or one ended by a bad event about there, as the Python scan.
+    native = _c_scan()
+    head, tail = TEMPLATES["chat"]
+    events = [head + b" t%d" % i + tail + b"%d" % i + b"]}]}\n\n" for i in range(300)]
+    if bad_at is not None:
+        events[bad_at] = events[bad_at].replace(b"]}]}", b"]}]")
+    data = b"".join(events)
+    for strip in (False, True):
+        got = native(data, 0, head, tail, strip, False)
+        assert got == scan_events(data, 0, head, tail, strip, False)
+        assert got is None if bad_at == 0 else got[2] == len(b"".join(events[:bad_at]))
+
+
 @settings(max_examples=2_000, deadline=None)
 @given(
     data=st.binary(max_size=300), start=st.integers(-2, 310), head=st.binary(max_size=8),

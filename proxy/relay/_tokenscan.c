@@ -19,6 +19,7 @@ static const char TOKEN_CHUNK_END[] = "]}]}\n\n"; /* the ids' list, choice, choi
 static const char NULLED_END[] = "null}]}\n\n"; /* the same end, the ids nulled */
 #define NULLED_END_LEN 9
 #define MAX_ID_DIGITS 18
+#define EVENTS_KEPT 128 /* events of a read kept between the passes (a burst of 64 is common) */
 
 /* Where the plain ids from d[i] (before n) end: continuation.ids_end. */
 static Py_ssize_t
@@ -93,6 +94,7 @@ match_event(const unsigned char *d, Py_ssize_t s, Py_ssize_t n, const unsigned c
 static PyObject *
 scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    (void)module;
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "scan takes 6 arguments");
         return NULL;
@@ -121,7 +123,10 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE; /* no event there; a tail that does not open the list is no template */
     }
 
-    /* First pass: how many events, and the sizes of what is made of them. */
+    /* First pass: the events and the sizes of what is made of them. The first EVENTS_KEPT
+     * are kept for the second pass (a read of vLLM's rarely holds more; past them, each is
+     * matched again). */
+    Event kept[EVENTS_KEPT];
     Event ev;
     Py_ssize_t s = start, out_size = 0, ids_size = 0, events = 0;
     int text = 0;
@@ -140,6 +145,9 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         out_size += (ev.ids - 1 - s) + NULLED_END_LEN;
         text = text || ev.text > 0;
+        if (events < EVENTS_KEPT) {
+            kept[events] = ev;
+        }
         events++;
         s = ev.end;
         if (single) {
@@ -168,16 +176,27 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     else {
         out = PyBytes_FromStringAndSize(NULL, out_size);
     }
-    if (out == NULL) {
+    PyObject *stop_obj = PyLong_FromSsize_t(stop);
+    PyObject *result = PyTuple_New(4);
+    if (out == NULL || stop_obj == NULL || result == NULL) {
         Py_DECREF(ids);
+        Py_XDECREF(out);
+        Py_XDECREF(stop_obj);
+        Py_XDECREF(result);
         return NULL;
     }
     char *ip = PyBytes_AS_STRING(ids);
     char *op = strip ? PyBytes_AS_STRING(out) : NULL;
-    for (s = start; s < stop; s = ev.end) {
-        if (match_event(d, s, n, hd, h, tl, t, &ev) != 0) { /* matched in the first pass */
+    s = start;
+    for (Py_ssize_t e = 0; e < events; e++) {
+        if (e < EVENTS_KEPT) {
+            ev = kept[e];
+        }
+        else if (match_event(d, s, n, hd, h, tl, t, &ev) != 0) { /* matched in the first pass */
             Py_DECREF(ids);
             Py_DECREF(out);
+            Py_DECREF(stop_obj);
+            Py_DECREF(result);
             PyErr_SetString(PyExc_RuntimeError, "scan: an event changed between passes");
             return NULL;
         }
@@ -190,15 +209,21 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             ip += ids_len;
         }
         if (op != NULL) {
-            Py_ssize_t kept = ev.ids - 1 - s; /* up to the list's "[", excluded */
-            memcpy(op, d + s, (size_t)kept);
-            op += kept;
+            Py_ssize_t upto = ev.ids - 1 - s; /* up to the list's "[", excluded */
+            memcpy(op, d + s, (size_t)upto);
+            op += upto;
             memcpy(op, NULLED_END, NULLED_END_LEN);
             op += NULLED_END_LEN;
         }
+        s = ev.end;
     }
-    PyObject *result = Py_BuildValue("(NNnO)", out, ids, stop, text ? Py_True : Py_False);
-    return result; /* "N" gave out and ids to the tuple (or released them on failure) */
+    /* A tuple filled in place: Py_BuildValue parses its format string on every call (600
+     * instructions, a third of a chunk's scan). */
+    PyTuple_SET_ITEM(result, 0, out);
+    PyTuple_SET_ITEM(result, 1, ids);
+    PyTuple_SET_ITEM(result, 2, stop_obj);
+    PyTuple_SET_ITEM(result, 3, Py_NewRef(text ? Py_True : Py_False));
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -210,7 +235,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "proxy.relay._tokenscan",
     "The scan of an eligible stream's token chunks (continuation.scan_events), in C.", -1,
-    methods,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
