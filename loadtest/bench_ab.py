@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt_tokens and args.mode != "burst":
         parser.error("--prompt-tokens applies to --mode burst")
+    if args.keep is not None and args.mode not in COUNTED:
+        parser.error("--keep applies to the counted modes (instructions, paced-instructions)")
+    if args.keep is not None and args.keep.is_dir() and any(args.keep.iterdir()):
+        # A dump of an earlier run with the same name (pid, number) would be read as this one's.
+        parser.error(f"--keep {args.keep}: not empty")
     specs: list[Spec] = []
     for i, spec in enumerate(args.tree):
         path, _, rest = spec.partition(":")
@@ -179,7 +184,8 @@ def run_counted(
     """Every tree's gateway under callgrind at once over the same mocks (burst, or paced);
     per round and tree, the counters reset (a dump), ``requests`` sent, the count dumped and read,
     divided by the requests (burst) or the chunks relayed (paced). The dumps go to ``keep``
-    when given (``tree{i}.{pid}.{round}``), else to a directory removed after."""
+    when given (``tree{i}.{pid}.{n}``, n callgrind's dump number: ``round_dumps``), else to a
+    directory removed after."""
     key = FIGURES["paced-instructions" if paced else "instructions"][0][1]
     per = requests * PACED_CHUNKS if paced else requests
     results: dict[str, dict[str, list[float]]] = {s[0]: {key: []} for s in specs}
@@ -188,7 +194,8 @@ def run_counted(
         mocks(50 if paced else 0) as ports,
         contextlib.ExitStack() as stack,
     ):
-        tmp = keep or Path(scratch)
+        # Absolute: callgrind runs in each tree's directory and would place a relative one there.
+        tmp = (keep or Path(scratch)).resolve()
         tmp.mkdir(parents=True, exist_ok=True)
         running: list[tuple[str, int, int, Path]] = []
         for i, (spec, tree, _, continuation) in enumerate(specs):

@@ -192,6 +192,7 @@ def test_a_rounds_count_is_the_dump_after_its_opening_dump() -> None:
     [
         (["--tree", f"{ROOT}:2"], "one worker a tree"),
         (["--tree", str(ROOT), "--requests", "0"], "--requests must be at least 1"),
+        (["--tree", str(ROOT), "--keep", str(ROOT)], "not empty"),
     ],
 )
 def test_bench_ab_refuses_what_it_cannot_count(
@@ -210,3 +211,12 @@ def test_bench_ab_refuses_what_it_cannot_count(
         bench_ab.main(["--mode", mode, *argv])
     assert refused.value.code == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_bench_ab_keeps_dumps_only_of_a_counted_mode(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        bench_ab.main(["--mode", "burst", "--tree", str(ROOT), "--keep", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "--keep applies to the counted modes" in capsys.readouterr().err

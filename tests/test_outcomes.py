@@ -343,6 +343,7 @@ def test_lines_held_for_a_batch_are_written_at_exit() -> None:
         (0.004, 100.0, 0.0),
         (999.999, 100.0, 1000.0),
         (float("inf"), 100.0, float("inf")),
+        (1e307, 1000.0, 1e307),  # finite, its scaled value not
     ],
 )
 def test_rounded_is_round_to_the_scale(value: float, scale: float, expected: float) -> None:

@@ -61,9 +61,10 @@ def rounded(value: float, scale: float) -> float:
     2,700 instructions a call, four a request: 2 % of a plain request's, counted with
     callgrind), this is a multiplication and a division. The quotient of a whole number by a
     power of ten is the double nearest that decimal, so it prints as at most three decimals."""
-    if not math.isfinite(value):
-        return value
-    return math.floor(value * scale + 0.5) / scale
+    scaled = value * scale
+    if not math.isfinite(scaled):
+        return value  # inf, nan, or too large to scale: as round gives it
+    return math.floor(scaled + 0.5) / scale
 
 
 def record_of(call: Call, duration_s: float, ts: float) -> dict[str, Any]:

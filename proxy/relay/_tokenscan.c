@@ -9,6 +9,7 @@
  * over the bytes, and one allocation for the run's output and one for its ids.
  *
  * scan(data, start, head, tail, strip, single) -> (out, ids, stop, text) | None
+ * data, head and tail exact bytes (what the relay reads; anything else is a TypeError).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -104,7 +105,8 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "scan: data, head and tail are bytes");
         return NULL;
     }
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    /* Clipped, not refused, as Python compares any int: a start past the end finds nothing. */
+    Py_ssize_t start = PyNumber_AsSsize_t(args[1], NULL);
     if (start == -1 && PyErr_Occurred()) {
         return NULL;
     }
