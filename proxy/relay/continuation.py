@@ -215,7 +215,7 @@ def forward_body(raw: bytes, body: dict[str, Any]) -> bytes:
 # did not ask sees exactly what vLLM sends without the flag. Found with ``bytes.find``, not a
 # regular expression: a regex scan costs ~12 µs a chunk here, as much as parsing it with json.
 # Final: compiled code reads a final module constant as a C static, another through the
-# module's dict, on every use (a lookup an event in ``Splice.take_run``).
+# module's dict, on every use (a lookup an event in ``scan_events``, compiled).
 _IDS_KEY: Final = b'token_ids":'
 _ID_BYTES: Final = b"0123456789, \t\r\n"
 
@@ -244,7 +244,7 @@ def ids_end(data: bytes, i: int, n: int) -> int:
     each id 1 to 18 digits (a hostile upstream's 5,000-digit "id" is parsed, and refused there,
     not read), no leading zero, one comma between two. The index of the first other byte, or
     -1 where the ids are not plain, found at the first bad byte. Indexing and comparisons,
-    which compiled code does itself (``Splice.take_chunk``)."""
+    which compiled code does itself (``strip_ids``; ``_tokenscan.c`` has it in C)."""
     digits = 0  # of the id being scanned
     j = i
     while j < n:
