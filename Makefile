@@ -40,6 +40,7 @@ bench: compiled
 	$(PY) -m loadtest.bench_overhead
 	$(PY) -m loadtest.bench_overhead --peer --workers 2
 	$(PY) -m loadtest.bench_floor
+	$(PY) -m loadtest.bench_segments
 	$(PY) -m loadtest.bench_workers --workers 2 --hold
 	@for b in loadtest/bench_parse.py loadtest/bench_sim.py loadtest/bench_stall.py loadtest/bench_overload.py loadtest/bench_cache.py; do \
 	  if [ -f $$b ]; then $(PY) -m loadtest.$$(basename $$b .py) || exit 1; fi; done

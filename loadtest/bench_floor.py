@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import httptools
 
-from . import bench_overhead
+from . import bench_overhead, gateways
 from .procs import free_port, wait_port
 
 MODES = ("callback", "task")
@@ -164,6 +166,20 @@ def _relay_main(argv: list[str]) -> None:
     uvloop.run(_serve(port, upstreams, mode))
 
 
+@contextlib.contextmanager
+def relay(upstreams: list[int], mode: str = "callback") -> Iterator[gateways.Running]:
+    """A bare relay of ``mode`` over ``upstreams``, in a process of its own."""
+    port = free_port()
+    argv = [sys.executable, "-m", "loadtest.bench_floor", "--relay", str(port)]
+    proc = subprocess.Popen([*argv, ",".join(map(str, upstreams)), mode])
+    try:
+        wait_port(port)
+        yield gateways.Running(f"bare relay ({mode})", port, proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -175,18 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bare relays, 256 paced streams (64 tokens, 50 ms apart), median of {args.repeat}")
     with bench_overhead.mocks(50) as ports:
         for mode in MODES:
-            port = free_port()
-            argv = [sys.executable, "-m", "loadtest.bench_floor", "--relay", str(port)]
-            proc = subprocess.Popen([*argv, ",".join(map(str, ports)), mode])
-            try:
-                wait_port(port)
+            with relay(ports, mode) as running:
                 runs = [
-                    asyncio.run(bench_overhead.paced_run(port, 256, proc.pid))
+                    asyncio.run(bench_overhead.paced_run(running.port, 256, running.pid))
                     for _ in range(args.repeat)
                 ]
-            finally:
-                proc.kill()
-                proc.wait()
             us = statistics.median(r["cpu_us_per_chunk"] for r in runs)
             p99 = statistics.median(r["itl_p99_ms"] for r in runs)
             print(f"  {mode:<9} {us:6.1f} us of CPU per relayed chunk, ITL p99 {p99:.1f} ms")

@@ -108,6 +108,25 @@ async def test_body_over_the_limit_gets_413_while_being_read(
         assert ok.status_code == 200
 
 
+async def test_body_over_the_limit_gets_413_when_it_came_whole_without_a_length(
+    gateway: tuple[str, FakeUpstream],
+) -> None:
+    # Chunked and in one write: the body is all in when the relay looks (taken, not received),
+    # and nothing announced its size.
+    url, upstream = gateway
+    host, port = url.removeprefix("http://").split(":")
+    data = b"x" * (48 * 1024)
+    chunks = b"".join(b"%x\r\n%b\r\n" % (len(data), data) for _ in range(2))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
+    async with asyncio.timeout(30):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + b"content-type: application/json\r\n\r\n" + chunks + b"0\r\n\r\n")
+        status = await reader.readline()
+        writer.close()
+    assert status.startswith(b"HTTP/1.1 413 ")
+    assert not [r for r in upstream.stats.raw_bodies if b"xxxx" in r]  # never relayed
+
+
 async def test_wrong_method_gets_405_and_unknown_path_404(
     gateway: tuple[str, FakeUpstream],
 ) -> None:

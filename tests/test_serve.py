@@ -23,6 +23,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loadtest.fake_upstream import running
+from proxy.edge import endpoint
 from proxy.edge.asgi_ext import (
     CLIENT_GONE,
     DIRECT_BODY,
@@ -560,6 +561,13 @@ def test_request_id_from_nothing_is_24_distinct_lowercase_hex_digits() -> None:
     assert re.fullmatch(r"[0-9a-f]{24}", request_id_from(b""))
 
 
+def test_request_id_from_nothing_keeps_24_digits_where_its_count_wraps() -> None:
+    endpoint._ids.value = 0xFFFFFFFFFE  # the count's last 40-bit values, then from 0
+    ids = [request_id_from(None) for _ in range(3)]
+    assert [i[14:] for i in ids] == ["ffffffffff", "0000000000", "0000000001"]
+    assert len({i[:14] for i in ids}) == 1
+
+
 def test_request_id_from_a_sane_client_id_keeps_it() -> None:
     for sane in (b"abc-123", b"req_1.2:3", b"A" * 128, b"0f8c2e1a-9b7d-4c3e-8a1f-2b3c4d5e6f70"):
         assert request_id_from(sane) == sane.decode()
@@ -697,6 +705,93 @@ async def test_the_direct_end_is_the_end_send_writes_and_a_pipelined_request_fol
         check_framing(answer, "chunked", whole)
     heads = [{k: v for k, v in a.headers.items() if k != "date"} for a in answers]
     assert heads[0] == heads[1] == heads[2]
+
+
+# ---------------------------------------------------------------------------- a body all in
+
+
+def post(path: str, body: bytes, *extra: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: test", f"content-length: {len(body)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def answer_body(body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-length", str(len(body)).encode())]
+
+
+async def test_a_body_all_in_is_taken_once_and_receive_then_waits_for_the_end() -> None:
+    taken: list[bytes | None] = []
+    after: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        taken.append(scope["extensions"][DIRECT_BODY].take_body())
+        # receive() after the body was taken waits, as after the first receive(): its task
+        # has run its first step after one yield (asyncio runs ready callbacks in order).
+        waiting = asyncio.ensure_future(receive())
+        await asyncio.sleep(0)
+        after.append("pending" if not waiting.done() else waiting.result()["type"])
+        body = taken[-1] or b""
+        await send({"type": "http.response.start", "status": 200, "headers": answer_body(body)})
+        await send({"type": "http.response.body", "body": body})
+        after.append((await waiting)["type"])  # the response's end ends the wait
+
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        # each body in one write with its head: all in before the app runs
+        first, second = await exchange(url, post("/a", b'{"a": 1}'), post("/b", b"x" * 2_000))
+    assert taken == [b'{"a": 1}', b"x" * 2_000]
+    assert (first.body, second.body) == (b'{"a": 1}', b"x" * 2_000)
+    assert after == ["pending", "http.disconnect"] * 2
+
+
+async def test_a_body_that_waits_for_100_continue_is_left_to_receive() -> None:
+    got: list[Any] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        got.append(scope["extensions"][DIRECT_BODY].take_body())
+        message = await receive()  # sends the 100 Continue the client waits for
+        got.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": answer_body(b"ok")})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    request = post("/", b"hello", "expect: 100-continue")
+    head, body = request.split(b"\r\n\r\n", 1)
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
+            writer.write(head + b"\r\n\r\n")
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            answer = await read_response(reader)
+    assert answer.body == b"ok"
+    assert got == [None, b"hello"]
+
+
+async def test_a_body_still_coming_is_left_to_receive() -> None:
+    got: list[Any] = []
+    asked = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        got.append(scope["extensions"][DIRECT_BODY].take_body())
+        asked.set()
+        parts = []
+        while True:
+            message = await receive()
+            parts.append(message["body"])
+            if not message["more_body"]:
+                break
+        got.append(b"".join(parts))
+        body = b"".join(parts)
+        await send({"type": "http.response.start", "status": 200, "headers": answer_body(body)})
+        await send({"type": "http.response.body", "body": body})
+
+    request = post("/", b"0123456789")
+    async with serve_app(asgi(app), http=NoDelayHttpToolsProtocol) as url:
+        async with asyncio.timeout(30), connect(url) as (reader, writer):
+            writer.write(request[:-4])
+            await asked.wait()  # the app looked while the last bytes were still unsent
+            writer.write(request[-4:])
+            answer = await read_response(reader)
+    assert got == [None, b"0123456789"]
+    assert answer.body == b"0123456789"
 
 
 # ---------------------------------------------------------------------------- the cycle's event

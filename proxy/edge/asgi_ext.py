@@ -1,8 +1,9 @@
 """ASGI extensions between the gateway's server (``serve``) and its relay.
 
-Both are advertised in ``scope["extensions"]`` by ``serve.NoDelayHttpToolsProtocol``; under any
-other ASGI server they are absent and the relay does what plain ASGI allows (two messages for
-a start and its first body; a task per request listening for the disconnect).
+All three are advertised in ``scope["extensions"]`` by ``connection.NoDelayHttpToolsProtocol``;
+under any other ASGI server they are absent and the relay does what plain ASGI allows (two
+messages for a start and its first body; a task per request listening for the disconnect;
+each chunk and the request's body through ``send`` and ``receive``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ CLIENT_GONE = "tokenlane.client_gone"
 
 # The server writes a started response's further body chunks when asked directly, not as ASGI
 # messages: a relay writes each chunk from its upstream connection's callback, with no task
-# woken per chunk (``relay/h1.py`` says what that saves). The value is the ``BodyWriter``.
+# woken per chunk (``relay/h1.py`` says what that saves). The value is the ``BodyWriter``,
+# which also hands over a request body that is all in without a ``receive`` (an interpreted
+# coroutine and its message dict, on the way to the replica).
 DIRECT_BODY = "tokenlane.direct_body"
 
 
@@ -52,6 +55,12 @@ class BodyWriter(Protocol):
 
     async def drain(self) -> None:
         """Until the client's socket takes more (or the client is gone)."""
+        ...
+
+    def take_body(self) -> bytes | None:
+        """The whole request body when all of it is in, as the first ``receive`` returns it
+        (a later ``receive`` then waits for the client to leave, as after that one); None
+        where ``receive`` must take it (some body still to come, a ``100 Continue`` to send)."""
         ...
 
 

@@ -189,6 +189,26 @@ class DirectBody:
             _complete(cycle)
         return True
 
+    def take_body(self) -> bytes | None:
+        cycle = self.cycle
+        if (
+            cycle is None
+            or cycle.more_body
+            or cycle.waiting_for_100_continue
+            or cycle.disconnected
+            or cycle.response_started
+            or not cycle.message_event.is_set()
+        ):
+            return None
+        # What ``receive`` does with a body that is all in: the bytes, the buffer emptied, the
+        # event cleared (the next ``receive`` waits for the disconnect), reading resumed (the
+        # protocol pauses it under a large body).
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        cycle.message_event.clear()
+        cycle.flow.resume_reading()
+        return body
+
     def direct(self) -> bool:
         cycle = self.cycle
         return cycle is not None and _direct(cycle)

@@ -215,7 +215,7 @@ def forward_body(raw: bytes, body: dict[str, Any]) -> bytes:
 # did not ask sees exactly what vLLM sends without the flag. Found with ``bytes.find``, not a
 # regular expression: a regex scan costs ~12 µs a chunk here, as much as parsing it with json.
 # Final: compiled code reads a final module constant as a C static, another through the
-# module's dict, on every use (a lookup an event in ``scan_events``, compiled).
+# module's dict, on every use (a lookup an event in ``strip_ids``, compiled).
 _IDS_KEY: Final = b'token_ids":'
 _ID_BYTES: Final = b"0123456789, \t\r\n"
 
@@ -645,11 +645,7 @@ class Splice:
         if got is None:
             return None
         out, ids, _, text = got
-        if ids:
-            self.lists.append(ids)
-        if text:
-            self.reasoning_open = False
-            self.shown = len(self.lists)
+        self._note_scanned(ids, text)
         return out, text
 
     def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
@@ -668,11 +664,17 @@ class Splice:
         if got is None:
             return None
         out, ids, stop, _ = got
+        self._note_scanned(ids, True)  # a run is of chunks with text
+        return out, stop
+
+    def _note_scanned(self, ids: bytes, text: bool) -> None:
+        """What ``observe`` notes of an ordinary token chunk: its ids, and, when it shows
+        text, that the client has seen them (and that no reasoning is open)."""
         if ids:
             self.lists.append(ids)
-        self.reasoning_open = False
-        self.shown = len(self.lists)
-        return out, stop
+        if text:
+            self.reasoning_open = False
+            self.shown = len(self.lists)
 
     # -- the seam --------------------------------------------------------------------------
 
