@@ -108,23 +108,35 @@ async def test_body_over_the_limit_gets_413_while_being_read(
         assert ok.status_code == 200
 
 
-async def test_body_over_the_limit_gets_413_when_it_came_whole_without_a_length(
-    gateway: tuple[str, FakeUpstream],
-) -> None:
-    # Chunked and in one write: the body is all in when the relay looks (taken, not received),
-    # and nothing announced its size.
-    url, upstream = gateway
-    host, port = url.removeprefix("http://").split(":")
-    data = b"x" * (48 * 1024)
-    chunks = b"".join(b"%x\r\n%b\r\n" % (len(data), data) for _ in range(2))
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
-    async with asyncio.timeout(30):
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(head + b"content-type: application/json\r\n\r\n" + chunks + b"0\r\n\r\n")
-        status = await reader.readline()
-        writer.close()
-    assert status.startswith(b"HTTP/1.1 413 ")
-    assert not [r for r in upstream.stats.raw_bodies if b"xxxx" in r]  # never relayed
+async def test_body_over_the_limit_gets_413_when_it_came_whole_without_a_length() -> None:
+    # Chunked, small and in one write: the body is all in when the relay looks (taken from
+    # the server, not received), and nothing announced its size.
+    def chat(chars: int) -> bytes:
+        body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * chars}]})
+        return body.encode()
+
+    def chunked(body: bytes) -> bytes:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n"
+        half = len(body) // 2
+        parts = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (body[:half], body[half:]))
+        return head + b"content-type: application/json\r\n\r\n" + parts + b"0\r\n\r\n"
+
+    over, under = chat(1500), chat(500)
+    async with running(tokens=3) as up:
+        policy = policy_for({"p": [up.url]}, server={"max_body_bytes": 1024})
+        async with running_gateway(policy) as (url, _):
+            host, port = url.removeprefix("http://").split(":")
+            async with asyncio.timeout(30):
+                statuses = []
+                for body in (over, under):
+                    reader, writer = await asyncio.open_connection(host, int(port))
+                    writer.write(chunked(body))
+                    statuses.append(await reader.readline())
+                    writer.close()
+    assert statuses[0].startswith(b"HTTP/1.1 413 ")
+    assert statuses[1].startswith(b"HTTP/1.1 200 ")
+    relayed = [b for b in up.stats.bodies if "messages" in b]
+    assert [len(b["messages"][0]["content"]) for b in relayed] == [500]
 
 
 async def test_wrong_method_gets_405_and_unknown_path_404(

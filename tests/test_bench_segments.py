@@ -85,10 +85,12 @@ THREADS = [
         (ONE_LOOP + shifted(ONE_LOOP, 0.001), [180, 180], [78, 78]),
         # the recording began after the client's read: nothing until the next request
         (ONE_LOOP[1:], [], []),
-        # it ended before the answer came: the ingress counts, the egress is not there
-        (ONE_LOOP[:4], [180], []),
-        # an answer read on another connection is not this request's
-        ([*ONE_LOOP[:4], call(0.0005, 0, 30, 14049), ONE_LOOP[5]], [180], []),
+        # it ended before the answer came: the request is left out
+        (ONE_LOOP[:4], [], []),
+        # an answer read on a connection the request was not written to is not its answer
+        ([*ONE_LOOP[:4], call(0.0005, 0, 30, 14049), ONE_LOOP[5]], [], []),
+        # an access-log line flushed to stdout before the write upstream is not that write
+        ([ONE_LOOP[0], call(0.000120, 1, 1, 400), *ONE_LOOP[1:]], [180], [78]),
     ],
 )
 def test_segments(calls: list[Syscall], ingress_us: list[int], egress_us: list[int]) -> None:

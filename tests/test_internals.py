@@ -330,6 +330,33 @@ INTERNALS = [
     ),
     Internal(
         "uvicorn",
+        "RequestResponseCycle.receive with the body all in: 100 Continue first when awaited, "
+        "reading resumed, the event cleared, bytes(.body) returned and .body emptied; "
+        ".more_body True until the protocol's on_message_complete",
+        "proxy/edge/head.py DirectBody.take_body (DIRECT_BODY): a request body that is all in "
+        "handed over as the first receive() returns it",
+        lambda: (
+            (
+                source_has(
+                    RequestResponseCycle.receive,
+                    "self.waiting_for_100_continue",
+                    "self.flow.resume_reading()",
+                    "self.message_event.clear()",
+                    '"body": bytes(self.body)',
+                    "self.body = bytearray()",
+                ),
+                source_has(
+                    RequestResponseCycle.__init__,
+                    "self.body = bytearray()",
+                    "self.more_body = True",
+                ),
+                source_has(HttpToolsProtocol.on_message_complete, "self.cycle.more_body = False"),
+            )
+            and None
+        ),
+    ),
+    Internal(
+        "uvicorn",
         "RequestResponseCycle.send ending a response: the last chunk b'0\\r\\n\\r\\n', "
         ".response_complete, .message_event set, the transport closed without keep-alive, "
         "then .on_response() (the protocol's on_response_complete: a pipelined request, the "

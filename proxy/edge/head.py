@@ -1,7 +1,8 @@
 """A response's start and first body as uvicorn's httptools cycle writes them, in one compiled
 pass (``proxy/compiled.py``), for the ``START_WITH_BODY`` extension (``edge/connection.py``);
-its further chunks, for the ``DIRECT_BODY`` extension (``DirectBody``); and the cycle's event
-(``MessageEvent``): the parts of each request's cycle that are compiled.
+its further chunks, and the request's body when it is all in, for the ``DIRECT_BODY``
+extension (``DirectBody``); and the cycle's event (``MessageEvent``): the parts of each
+request's cycle that are compiled.
 
 uvicorn's ``RequestResponseCycle.send`` is interpreted: a relayed response's start and first
 body went through it twice (the start, then the body), with a regular expression per header
