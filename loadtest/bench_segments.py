@@ -182,9 +182,14 @@ def read_calls(data: Path) -> list[Syscall]:
     return parse_calls(out.splitlines())
 
 
-def tokenlane_from(tree: Path) -> Callable[[list[int]], Any]:
+def tokenlane_from(tree: Path | None = None, continuation: bool = True) -> Callable[..., Any]:
+    """Starts Tokenlane (from ``tree``, else this one) over the mocks, scraping them hourly:
+    a scrape's work is the fleet's, not a request's."""
+
     def start(upstreams: list[int]) -> Any:
-        return gateways.tokenlane(upstreams, cwd=tree, health_interval_s=3600)
+        return gateways.tokenlane(
+            upstreams, continuation=continuation, cwd=tree, health_interval_s=3600
+        )
 
     return start
 
@@ -198,11 +203,8 @@ def run(
         ("nginx", gateways.nginx),
         ("vllm-router", gateways.vllm_router),
         ("bare relay", bench_floor.relay),
-        ("tokenlane", lambda ups: gateways.tokenlane(ups, health_interval_s=3600)),
-        (
-            "tokenlane (plain)",
-            lambda ups: gateways.tokenlane(ups, continuation=False, health_interval_s=3600),
-        ),
+        ("tokenlane", tokenlane_from()),
+        ("tokenlane (plain)", tokenlane_from(continuation=False)),
     ]
     for tree in trees or ():
         kinds.append((f"tokenlane ({tree})", tokenlane_from(Path(tree).resolve())))

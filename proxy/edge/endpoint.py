@@ -181,8 +181,7 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
         chunk = message.get("body", b"")
         if chunk:
             size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is over the {limit}-byte limit")
+            check_body_size(size, limit, None)
             parts.append(chunk)
         if not message.get("more_body", False):
             break
