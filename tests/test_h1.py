@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import random
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -460,3 +461,102 @@ async def test_a_reads_body_reaches_the_handler_before_the_error_found_after_it(
             assert isinstance(conn.error, UpstreamClosed) and "broken body" in str(conn.error)
         else:
             assert conn.complete and conn.error is None and conn.closed
+
+
+@pytest.mark.parametrize(
+    ("data", "pieces", "taken"),
+    [
+        (b"", [], 0),
+        (chunk(b"hello"), [b"hello"], 7 + 3),
+        (chunk(b"a") + chunk(b"bc"), [b"a", b"bc"], 6 + 7),
+        (b"A\r\n" + b"x" * 10 + b"\r\n", [b"x" * 10], 15),  # upper-case hex
+        (b"0a\r\n" + b"y" * 10 + b"\r\n", [b"y" * 10], 16),  # a leading zero
+        (chunk(b"a") + b"0\r\n\r\n", [b"a"], 6),  # the last chunk is the parser's
+        (chunk(b"a") + chunk(b"bcd")[:5], [b"a"], 6),  # a chunk cut short by the read
+        (chunk(b"a") + b"3", [b"a"], 6),  # a size line cut short
+        (b"5;ext=1\r\nhello\r\n", [], 0),  # an extension
+        (b"5 \r\nhello\r\n", [], 0),  # a space in the size line
+        (b"\r\nhello\r\n", [], 0),  # no size
+        (b"5\r\nhelloXY", [], 0),  # no CRLF after the bytes
+        (b"5\r\nhello\r", [], 0),
+        (b"123456789\r\n", [], 0),  # a size of nine digits
+        (b"g\r\n", [], 0),
+    ],
+)
+def test_leading_chunks_takes_only_plain_whole_chunks(
+    data: bytes, pieces: list[bytes], taken: int
+) -> None:
+    got: list[bytes] = []
+    assert h1.leading_chunks(data, got) == taken
+    assert got == pieces
+
+
+class _CountedParser:
+    """The connection's parser, its feeds counted (what the parser was left to read)."""
+
+    def __init__(self, parser: object) -> None:
+        self.parser = parser
+        self.fed: list[bytes] = []
+
+    def feed_data(self, data: bytes) -> None:
+        self.fed.append(data)
+        self.parser.feed_data(data)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.parser, name)
+
+
+async def test_whole_chunks_between_chunks_bypass_the_parser_which_still_reads_the_rest() -> None:
+    """Once the parser stands between two chunks, reads of whole chunks are taken without it,
+    and it reads whatever follows them from where it was: the last chunk, a split chunk."""
+    loop = asyncio.get_running_loop()
+    conn = h1.H1Connection(loop)
+    conn.head = loop.create_future()
+    counted = _CountedParser(conn.parser)
+    conn.parser = counted  # type: ignore[assignment]
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    seen: list[bytes] = []
+    conn.handler = functools.partial(_noted_in, seen)
+    conn.data_received(chunk(b"first"))  # the parser's: it ends a chunk, and the read too
+    assert conn.at_boundary and len(counted.fed) == 2
+    conn.data_received(chunk(b"two") + chunk(b"three"))
+    conn.data_received(chunk(b"four"))
+    assert len(counted.fed) == 2 and seen == [b"first", b"twothree", b"four"]
+    conn.data_received(chunk(b"five") + chunk(b"six")[:3])  # the cut one goes to the parser
+    assert counted.fed[-1] == chunk(b"six")[:3] and not conn.at_boundary
+    conn.data_received(chunk(b"six")[3:])
+    assert conn.at_boundary and seen[-2:] == [b"five", b"six"]
+    conn.data_received(chunk(b"seven") + b"0\r\n\r\n")
+    assert counted.fed[-1] == b"0\r\n\r\n"
+    assert conn.complete and conn.error is None and seen[-1] == b"seven"
+
+
+async def test_a_chunked_body_split_anywhere_comes_whole_and_in_order() -> None:
+    """Chunked bodies of random chunks (extensions among them) cut into random reads, pumped
+    and read: the bytes that come out are the body, the answer complete, no error."""
+    rng = random.Random(37)
+    loop = asyncio.get_running_loop()
+    for case in range(300):
+        parts = [
+            rng.randbytes(rng.choice((1, 2, 15, 16, 17, 255, 300)))
+            for _ in range(rng.randint(1, 12))
+        ]
+        wire = (
+            b"".join(
+                (b"%X;e=1\r\n%b\r\n" if rng.random() < 0.1 else b"%x\r\n%b\r\n") % (len(p), p)
+                for p in parts
+            )
+            + b"0\r\n\r\n"
+        )
+        conn = h1.H1Connection(loop)
+        conn.head = loop.create_future()
+        conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        seen: list[bytes] = []
+        if case % 2:
+            conn.handler = functools.partial(_noted_in, seen)
+        cuts = sorted(rng.sample(range(1, len(wire)), min(len(wire) - 1, rng.randint(0, 8))))
+        for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+            conn.data_received(wire[a:b])
+        got = b"".join(seen) if case % 2 else b"".join(conn.chunks)
+        assert got == b"".join(parts), case
+        assert conn.complete and conn.error is None, case

@@ -163,3 +163,28 @@ async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
     assert writer.write_body(b"late") is True
     assert writer.end(b"") is True
     await asyncio.wait_for(writer.drain(), 5)
+
+
+def test_a_written_chunk_is_framed_as_uvicorn_frames_it_at_every_size() -> None:
+    """``write_body`` frames a chunk as the cycle's ``send`` does (its size in hex, CRLF, the
+    bytes, CRLF), for sizes from the table of size lines and past it."""
+    written: list[bytes] = []
+
+    class Flow:
+        write_paused = False
+
+    class Transport:
+        def write(self, data: bytes) -> None:
+            written.append(data)
+
+    class Cycle:
+        disconnected = False
+        transport = Transport()
+        flow = Flow()
+
+    cycle = Cycle()
+    writer = DirectBody(cast(RequestResponseCycle, cycle))
+    for size in (1, 15, 16, 255, 2047, 2048, 4096, 70000):
+        data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        assert writer.write_body(data) is True
+        assert written[-1] == b"%x\r\n%b\r\n" % (size, data), size

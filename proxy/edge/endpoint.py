@@ -48,9 +48,9 @@ from proxy.routing.estimate import Estimator
 from proxy.routing.lanes import match_lane
 from proxy.routing.profile import profile_request
 
-log = logging.getLogger("tokenlane")
+log: Final = logging.getLogger("tokenlane")
 
-now = time.monotonic
+now: Final = time.monotonic
 
 # Relayed unchanged through the last lane.
 PASSTHROUGH_PATHS = (
@@ -82,7 +82,7 @@ PASSTHROUGH_GET_PATHS = {
 }
 # Stored responses, by id (``/v1/responses/{id}``, ``.../cancel``, ``.../input_items``):
 # answered only by the replica holding the response (``relay.homes``).
-RESPONSES_BY_ID = "/v1/responses/"
+RESPONSES_BY_ID: Final = "/v1/responses/"
 
 _ID_PREFIX: Final = os.urandom(7).hex()
 
@@ -97,8 +97,10 @@ class _Count:
 
 
 _ids: Final = _Count(int.from_bytes(os.urandom(4), "big"))
-_NO_EXTENSIONS: dict[str, Any] = {}  # a server that advertises none (never written to)
-_REQUEST_ID_OK = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_NO_EXTENSIONS: Final[dict[str, Any]] = {}  # a server that advertises none (never written to)
+_REQUEST_ID_OK: Final = frozenset(
+    b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:"
+)
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -188,7 +190,7 @@ async def read_body(receive: Receive, limit: int, content_length: int | None) ->
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-_USAGE_ALWAYS = frozenset({"messages", "responses"})
+_USAGE_ALWAYS: Final = frozenset({"messages", "responses"})
 
 
 def refuse_unknown_model(fleet: Fleet, model: str | None) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
@@ -30,11 +30,14 @@ from uvicorn.protocols.http.httptools_impl import (
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
 
 # The bytes uvicorn's expressions take in a header name and a header value, read off them.
-_NAME_BYTES = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
-_VALUE_BYTES = bytes(b for b in range(256) if HEADER_VALUE_RE.search(bytes([b])) is None)
-_CRLF = b"\r\n"
-_SEP = b": "
-_LAST_CHUNK = b"0\r\n\r\n"
+_NAME_BYTES: Final = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
+_VALUE_BYTES: Final = bytes(b for b in range(256) if HEADER_VALUE_RE.search(bytes([b])) is None)
+_CRLF: Final = b"\r\n"
+_SEP: Final = b": "
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+# The size lines of chunks under 2 KiB (a token's event is a few hundred bytes), made once:
+# a chunk framed by two concatenations costs about half what formatting it did (callgrind).
+_SIZE_LINES: Final = [b"%x\r\n" % n for n in range(2048)]
 
 
 class Start:
@@ -219,7 +222,9 @@ class DirectBody:
         cycle = self.cycle
         if cycle is None or cycle.disconnected:
             return True
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        n = len(data)
+        line = _SIZE_LINES[n] if n < 2048 else b"%x\r\n" % n
+        cycle.transport.write(line + data + _CRLF)
         return not cycle.flow.write_paused
 
     def end(self, data: bytes) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -34,7 +34,7 @@ def is_json_body(headers: Iterable[tuple[bytes, bytes]]) -> bool:
     )
 
 
-_DECODER = msgspec.json.Decoder()
+_DECODER: Final = msgspec.json.Decoder()
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

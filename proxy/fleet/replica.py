@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from proxy.config import PoolConfig, ReplicaConfig
 from proxy.fleet import detect
@@ -35,7 +35,7 @@ class EjectReason(StrEnum):
 
 
 # Out of service, for the max_ejected_percent cap: not taking client requests, not by choice.
-OUT_OF_SERVICE = (ReplicaState.EJECTED, ReplicaState.PROBING)
+OUT_OF_SERVICE: Final = (ReplicaState.EJECTED, ReplicaState.PROBING)
 
 
 class StreamWatch(Protocol):

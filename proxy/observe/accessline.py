@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -19,7 +19,7 @@ from proxy.observe.accesslog import PLAIN, BatchedLines, flush_lines, logger
 if TYPE_CHECKING:
     from proxy.relay.call import Call
 
-_ENCODER = msgspec.json.Encoder()
+_ENCODER: Final = msgspec.json.Encoder()
 
 
 def encode_line(record: dict[str, Any]) -> str:

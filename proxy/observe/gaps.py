@@ -2,7 +2,7 @@
 
 A stream observes a gap per token. ``Histogram.observe`` takes two locks (the sum, the bucket)
 and walks the bounds: 2 µs a token on the 2-core machine, about 4 % of what relaying the token
-costs. Here a gap costs a bisect and an increment (0.25 µs); the counts go into the series
+costs. Here a gap costs a binary search and an increment (0.25 µs); the counts go into the series
 every ``EVERY`` gaps, with the first gap that comes ``MAX_AGE_S`` or more after the last
 batch, and when the stream ends (``flush``). A stream that falls silent holds its last gaps
 until it ends; a worker killed with SIGKILL loses what its streams held.
@@ -13,11 +13,10 @@ named in ``tests/test_internals.py``.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Any
+from typing import Any, Final
 
-EVERY = 32
-MAX_AGE_S = 1.0
+EVERY: Final = 32
+MAX_AGE_S: Final = 1.0
 
 
 class Gaps:
@@ -36,8 +35,19 @@ class Gaps:
     def observe(self, gap: float, now: float) -> None:
         """``series.observe(gap)``, added now or with the next batch; ``now`` is the caller's
         clock reading (monotonic), to age the batch without reading the clock again."""
-        # bisect_left: the first bound >= gap, as observe's ``gap <= bound`` finds it (le).
-        self._counts[bisect_left(self._bounds, gap)] += 1
+        # The first bound >= gap, as observe's ``gap <= bound`` finds it (le): bisect_left's
+        # search, written out: compiled, it compares unboxed floats, not objects (a third of
+        # the cost of calling bisect on this list, measured with callgrind).
+        bounds = self._bounds
+        lo = 0
+        hi = len(bounds)
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if bounds[mid] < gap:
+                lo = mid + 1
+            else:
+                hi = mid
+        self._counts[lo] += 1
         self._sum += gap
         self._held += 1
         if self._held >= EVERY or now - self._since >= MAX_AGE_S:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from proxy.relay.call import Call
 
-FLUSH_S = 0.01
-MAX_QUEUED = 256
+FLUSH_S: Final = 0.01
+MAX_QUEUED: Final = 256
 
 Record = Callable[["Call", float, float], None]  # (call, duration_s, wall-clock end)
 

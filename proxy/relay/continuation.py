@@ -28,7 +28,7 @@ from proxy.config import ContinuationConfig
 from proxy.errors import FailureKind
 from proxy.relay import sse
 
-_COMPACT = (",", ":")
+_COMPACT: Final = (",", ":")
 
 
 class Refusal(StrEnum):
@@ -65,7 +65,7 @@ class Trigger(StrEnum):
 
 
 # Fields that end eligibility when present and meaningful; each maps to its refusal.
-_STRUCTURED_KEYS = (
+_STRUCTURED_KEYS: Final = (
     "structured_outputs",
     "guided_json",
     "guided_regex",
@@ -74,7 +74,7 @@ _STRUCTURED_KEYS = (
     "guided_decoding",
 )
 # Copied verbatim into the continuation: they shape sampling, not the prompt.
-SAMPLING_KEYS = (
+SAMPLING_KEYS: Final = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
     "allowed_token_ids", "stop_token_ids", "ignore_eos", "skip_special_tokens",
@@ -173,7 +173,7 @@ def explain(
     return {"eligible": False, "refusal": refusal.value, "why": _REFUSAL_WHY[refusal]}
 
 
-_REFUSAL_WHY = {
+_REFUSAL_WHY: Final = {
     Refusal.DISABLED: "continuation.enabled, the lane's switch or max_attempts turns it off",
     Refusal.N: "n or best_of above 1",
     Refusal.TOOLS: "tools offered (tool_choice is not none)",
@@ -195,8 +195,8 @@ _REFUSAL_WHY = {
 }
 
 
-_JSON_SPACE = b" \t\r\n"
-_ASK_IDS = b',"return_token_ids":true}'
+_JSON_SPACE: Final = b" \t\r\n"
+_ASK_IDS: Final = b',"return_token_ids":true}'
 
 
 def forward_body(raw: bytes, body: dict[str, Any]) -> bytes:
@@ -227,16 +227,16 @@ _ID_BYTES: Final = b"0123456789, \t\r\n"
 # a later chunk with that head and tail and a text holding no quote is one (``take_event``).
 # Anything else (the role chunk, a finish, an error, tool calls, reasoning, usage, a text
 # with a quote, two events in one read) is parsed.
-_TEMPLATE_MARK = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
+_TEMPLATE_MARK: Final = {"chat": b'"delta":{"content":"', "completion": b'"text":"'}
 _TOKEN_IDS: Final = b'"token_ids":['
 _TOKEN_END: Final = b"]}]}"  # the ids' list, the choice, the choices, the chunk
 _TOKEN_CHUNK_END: Final = _TOKEN_END + b"\n\n"
 _NULLED: Final = b"null}]}"  # the same end, the ids nulled
 _NULLED_END: Final = _NULLED + b"\n\n"  # and the event ended
-_TOP_KEYS = frozenset(("id", "object", "created", "model", "choices"))
-_CHOICE_KEYS = frozenset(("index", "delta", "text", "logprobs", "finish_reason", "stop_reason",
-                          "prompt_token_ids", "token_ids"))  # fmt: skip
-_NULL_KEYS = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
+_TOP_KEYS: Final = frozenset(("id", "object", "created", "model", "choices"))
+_CHOICE_KEYS: Final = frozenset(("index", "delta", "text", "logprobs", "finish_reason",
+                                 "stop_reason", "prompt_token_ids", "token_ids"))  # fmt: skip
+_NULL_KEYS: Final = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
 def ids_end(data: bytes, i: int, n: int) -> int:
@@ -274,9 +274,9 @@ def plain_ids(ids: bytes) -> bool:
 # (the decoder makes an int of each: 64 µs for 2,048 here, against 1 µs for the rest of the
 # chunk), so ``Splice.parse`` cuts the list out as bytes, parses the rest, and the ids wait
 # until a seam reads them.
-_PROMPT_KEY = b'"prompt_token_ids"'
-_PROMPT_IDS = _PROMPT_KEY + b":["
-_PROMPT_NULL = _PROMPT_KEY + b":null"
+_PROMPT_KEY: Final = b'"prompt_token_ids"'
+_PROMPT_IDS: Final = _PROMPT_KEY + b":["
+_PROMPT_NULL: Final = _PROMPT_KEY + b":null"
 
 
 def _cut_where_vllm_puts_them(obj: Any) -> bool:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Final
 
 from proxy.state.protocol import SharedState
 
-DEFAULT_MAX_ENTRIES = 100_000
-DEFAULT_TTL_S = 24 * 3600.0
+DEFAULT_MAX_ENTRIES: Final = 100_000
+DEFAULT_TTL_S: Final = 24 * 3600.0
 
 
 class ResponseHomes:

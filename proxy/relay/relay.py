@@ -22,7 +22,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
     from proxy.config import LaneConfig, Policy
 
-now = time.monotonic
+now: Final = time.monotonic
 
 # Not forwarded upstream: hop-by-hop, what the upstream client sets itself, and the client's
 # own credentials (a replica has its own key; a client's key must never reach it).
@@ -81,7 +81,7 @@ DROP_UPSTREAM = HOP_BY_HOP | {
 }  # fmt: skip
 
 # Statuses the retry rules look at before anything is relayed.
-_STATUS_FAULTS = {
+_STATUS_FAULTS: Final = {
     429: Fault.BUSY_429,
     503: Fault.BUSY_503,
     500: Fault.STATUS_5XX,
@@ -91,7 +91,7 @@ _STATUS_FAULTS = {
 
 
 # Why retrying stopped, when a policy bound stopped it: the client and the access line say so.
-_STOPPED_BECAUSE: dict[RetryDecision, str] = {
+_STOPPED_BECAUSE: Final[dict[RetryDecision, str]] = {
     RetryDecision.ATTEMPTS_SPENT: " (retry.max_attempts reached)",
     RetryDecision.DEADLINE_PASSED: " (the request's retry.deadline_s passed)",
     RetryDecision.BUDGET_SPENT: " (the retry budget, retry.budget_ratio, is spent)",

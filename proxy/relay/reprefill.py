@@ -15,10 +15,14 @@ again every ``POLL_S`` (a slot freed in another worker wakes nobody here).
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Final, Protocol
 
-POLL_S = 0.05  # with workers: how often a waiting continuation looks for a slot freed elsewhere
-TOTAL_ROW = "reprefill"  # the board's row of the serve's re-prefills; per replica + ":" + name
+POLL_S: Final = (
+    0.05  # with workers: how often a waiting continuation looks for a slot freed elsewhere
+)
+TOTAL_ROW: Final = (
+    "reprefill"  # the board's row of the serve's re-prefills; per replica + ":" + name
+)
 
 
 class Ledger(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY, BodyWriter
 from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # The gateway's clock for durations: monotonic, the clock of ``Attempt.last_progress`` and the
 # stall detectors, so that a relayed chunk's one reading serves its progress and its pace.
-now = time.monotonic
+now: Final = time.monotonic
 
 # Hop-by-hop headers (RFC 9110 7.6.1): about one connection, never relayed either way.
 HOP_BY_HOP = frozenset(
@@ -42,8 +42,8 @@ HOP_BY_HOP = frozenset(
      b"trailer", b"upgrade"}
 )  # fmt: skip
 # Not relayed back: hop-by-hop, and what the ASGI server or the gateway sets itself.
-_DROP_DOWNSTREAM = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
-_DROP_DOWNSTREAM_STREAM = _DROP_DOWNSTREAM | {b"content-length"}
+_DROP_DOWNSTREAM: Final = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
+_DROP_DOWNSTREAM_STREAM: Final = _DROP_DOWNSTREAM | {b"content-length"}
 
 
 class Responder:

@@ -19,7 +19,7 @@ import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 
@@ -50,12 +50,12 @@ if TYPE_CHECKING:
 
     from proxy.config import LaneConfig, Policy
 
-now = time.monotonic
+now: Final = time.monotonic
 
 
 # With more requests than this in flight, a read's first content goes out with the rest of
 # the read (see ``first_content_alone``).
-FIRST_CONTENT_ALONE_UP_TO = 2
+FIRST_CONTENT_ALONE_UP_TO: Final = 2
 
 
 def first_content_alone(live: int) -> bool:
@@ -577,14 +577,14 @@ class Resumer:
                     await resp.aclose()
 
 
-_TRIGGER_FAILURE = {
+_TRIGGER_FAILURE: Final = {
     cont.Trigger.EOF: FailureKind.RESET,
     cont.Trigger.RESET: FailureKind.RESET,
     cont.Trigger.ERROR_EVENT: FailureKind.UPSTREAM_5XX,
     cont.Trigger.ABORT: FailureKind.UPSTREAM_5XX,
     cont.Trigger.STALL: FailureKind.STREAM_IDLE,
 }
-_FAULT_TRIGGER = {
+_FAULT_TRIGGER: Final = {
     Fault.CLOSED: cont.Trigger.EOF,
     Fault.FIRST_TOKEN_TIMEOUT: cont.Trigger.STALL,
 }

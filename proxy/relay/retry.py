@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import Final
 
 from proxy.errors import FailureKind, Fault, RetryReason
 
@@ -46,7 +47,7 @@ class Verdict:
 
 
 # What each fault tells the fleet, and the retry reason it is counted under.
-FAILURE: dict[Fault, FailureKind | None] = {
+FAILURE: Final[dict[Fault, FailureKind | None]] = {
     Fault.UNREACHED: FailureKind.CONNECT,
     Fault.CLOSED: FailureKind.RESET,
     Fault.READ_TIMEOUT: FailureKind.STREAM_IDLE,
@@ -62,7 +63,7 @@ FAILURE: dict[Fault, FailureKind | None] = {
     Fault.STATUS_5XX: FailureKind.UPSTREAM_5XX,
     Fault.ERROR_EVENT: FailureKind.UPSTREAM_5XX,
 }
-REASON: dict[Fault, RetryReason] = {
+REASON: Final[dict[Fault, RetryReason]] = {
     Fault.UNREACHED: RetryReason.CONNECT,
     # Resets after a send are retried under the 5xx-after-send rule, so counted under it.
     Fault.CLOSED: RetryReason.UPSTREAM_5XX,
@@ -83,7 +84,7 @@ REASON: dict[Fault, RetryReason] = {
 # and a replay would take a second one down with it. Except for a stream that continuation
 # would carry on another replica (``resumable``): one token later its reset would have been
 # continued there anyway, so refusing it at token zero guards nothing.
-_AFTER_SEND = frozenset({Fault.CLOSED, Fault.STATUS_5XX})
+_AFTER_SEND: Final = frozenset({Fault.CLOSED, Fault.STATUS_5XX})
 
 
 def judge(

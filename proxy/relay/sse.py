@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-DONE = b"[DONE]"
+DONE: Final = b"[DONE]"
 # msgspec decodes a vLLM chunk ~15x faster than ``json.loads`` (0.7 against 9-12 µs here for
 # a 200-byte chunk; loadtest/bench_parse.py): that is most of what a continuable stream pays
 # per event. It is strict where ``json`` is lenient (NaN, lone surrogates, 1e400): whatever it
 # refuses is decoded again by ``json``, so the objects are the ones ``json.loads`` gives.
-_DECODER = msgspec.json.Decoder()
-_DELTA_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "audio")
+_DECODER: Final = msgspec.json.Decoder()
+_DELTA_CONTENT_KEYS: Final = ("content", "reasoning_content", "reasoning", "tool_calls", "audio")
 
 
 def event_end(data: bytes, start: int) -> int:
@@ -164,7 +164,7 @@ def parse_event(event: bytes) -> Any:
 # Typed events (Anthropic Messages, OpenAI Responses) that carry generated content: text,
 # tool-call input, reasoning, audio. Anthropic's deltas are ``content_block_delta`` events
 # whose ``delta`` holds the text (``text``, ``partial_json``, ``thinking``).
-_CONTENT_EVENTS = frozenset(
+_CONTENT_EVENTS: Final = frozenset(
     {
         "response.output_text.delta",
         "response.function_call_arguments.delta",
@@ -178,9 +178,9 @@ _CONTENT_EVENTS = frozenset(
         "response.code_interpreter_call_code.delta",
     }
 )
-_ANTHROPIC_DELTA_KEYS = ("text", "partial_json", "thinking")
+_ANTHROPIC_DELTA_KEYS: Final = ("text", "partial_json", "thinking")
 # Typed events that end a stream as failed before any content.
-_ERROR_EVENTS = frozenset({"error", "response.failed"})
+_ERROR_EVENTS: Final = frozenset({"error", "response.failed"})
 
 
 def _typed_content(obj: dict[str, Any]) -> bool:
@@ -219,7 +219,7 @@ def carries_content(obj: Any) -> bool:
 
 
 # How each API's stream ends when the replica finished it (an error event is an end too).
-_ENDS: dict[str, tuple[bytes, ...]] = {
+_ENDS: Final[dict[str, tuple[bytes, ...]]] = {
     "messages": (b"message_stop", b"event: error"),
     "responses": (
         b"response.completed",

@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from proxy.config import LaneConfig
 from proxy.errors import Rejected
@@ -57,7 +57,7 @@ from proxy.fleet.fleet import Fleet, Replica
 from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics
 
-log = logging.getLogger("tokenlane.admission")
+log: Final = logging.getLogger("tokenlane.admission")
 
 # A function that picks a replica for the request now (None when none can take it), and tells
 # whether any replica at all could serve it (healthy and serving the model, saturated or not).
@@ -86,18 +86,18 @@ class Ledger(Protocol):
         ...
 
 
-WAITING_ROW = "waiting"  # a worker's waiters over all lanes: whom a freed slot should wake
+WAITING_ROW: Final = "waiting"  # a worker's waiters over all lanes: whom a freed slot should wake
 
 
 def replica_row(replica: Replica) -> str:
     return f"r {replica.pool} {replica.url}"
 
 
-SWEEP_S = 0.25
+SWEEP_S: Final = 0.25
 DRAIN_TAU_S = 10.0  # time constant of the drain-rate average: a burst's own pace, not an hour's
-RETRY_AFTER_MIN_S = 1.0
-RETRY_AFTER_MAX_S = 60.0
-NO_REPLICA_RETRY_AFTER_S = 1.0
+RETRY_AFTER_MIN_S: Final = 1.0
+RETRY_AFTER_MAX_S: Final = 60.0
+NO_REPLICA_RETRY_AFTER_S: Final = 1.0
 
 
 # ---------------------------------------------------------------------------- pure parts

@@ -41,7 +41,7 @@ import math
 import random
 from collections.abc import Sequence
 from hashlib import blake2b
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 __all__ = [
     "STRATEGIES",
@@ -54,7 +54,7 @@ __all__ = [
     "round_robin",
 ]
 
-STRATEGIES = ("least_loaded", "prefix_affinity", "round_robin")
+STRATEGIES: Final = ("least_loaded", "prefix_affinity", "round_robin")
 
 
 class Candidate(Protocol):
@@ -69,10 +69,10 @@ class Candidate(Protocol):
 
 C = TypeVar("C", bound=Candidate)
 
-_MASK64 = (1 << 64) - 1
+_MASK64: Final = (1 << 64) - 1
 # Replica names are few and long-lived; the cap only guards against churn (DNS expansion).
-_NAME_HASH_CACHE_MAX = 4096
-_name_hashes: dict[str, int] = {}
+_NAME_HASH_CACHE_MAX: Final = 4096
+_name_hashes: Final[dict[str, int]] = {}
 
 
 def key_hash(key: str) -> int:

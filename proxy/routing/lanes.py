@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import translate
 from re import compile as re_compile
-from typing import Any
+from typing import Any, Final
 
 from proxy.config import LaneConfig
 from proxy.errors import NoLaneMatched
@@ -32,7 +32,7 @@ class LaneMatch:
         object.__setattr__(self, "reasons", reasons)
 
 
-_glob_cache: dict[str, Any] = {}
+_glob_cache: Final[dict[str, Any]] = {}
 
 
 def _glob_match(pattern: str, model: str) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol, cast
 
 from proxy.config import LaneConfig, Policy
 from proxy.routing.tokens import TokenCounter
@@ -36,27 +36,27 @@ Kind = Literal["chat", "completion", "messages", "responses"]
 
 # Chat templates wrap each message in a few special tokens (ChatML: "<|im_start|>role\n...
 # <|im_end|>\n" is 4-5) and end with the assistant's opening; OpenAI's cookbook counts 3 + 3.
-MESSAGE_OVERHEAD_TOKENS = 4
-CHAT_OVERHEAD_TOKENS = 3
+MESSAGE_OVERHEAD_TOKENS: Final = 4
+CHAT_OVERHEAD_TOKENS: Final = 3
 # A text prompt to /v1/completions gets a BOS token from most tokenizers.
-COMPLETION_PROMPT_OVERHEAD_TOKENS = 1
+COMPLETION_PROMPT_OVERHEAD_TOKENS: Final = 1
 
 # Audio: encoders behind vLLM's audio models emit ~25 tokens per second (Whisper's 50 frames/s
 # pooled by 2, as in Qwen2-Audio). Duration is guessed from the encoded size at 16 kB/s
 # (128 kbit/s MP3, or 8 kHz 16-bit WAV): 16 kHz WAV is over-counted 2x, which errs towards the
 # "long" lanes, the safe side. A base64 character carries 3/4 of a byte, so one token per
 # ~853 base64 characters. An audio part given only by URL counts as Whisper's 30 s window.
-AUDIO_TOKENS_PER_S = 25
-AUDIO_BYTES_PER_S = 16_000
-AUDIO_URL_TOKENS = 30 * AUDIO_TOKENS_PER_S
+AUDIO_TOKENS_PER_S: Final = 25
+AUDIO_BYTES_PER_S: Final = 16_000
+AUDIO_URL_TOKENS: Final = 30 * AUDIO_TOKENS_PER_S
 # A video part counts as this many images (a few sampled frames); its real cost is unknowable
 # without decoding it, and a low guess would put it on a latency lane.
-VIDEO_IMAGES = 8
+VIDEO_IMAGES: Final = 8
 
-_CHAT_LIKE = frozenset({"chat", "messages", "responses"})
-_IMAGE_PARTS = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds"})
-_AUDIO_PARTS = frozenset({"input_audio", "audio_url", "audio"})
-_VIDEO_PARTS = frozenset({"video_url", "video"})
+_CHAT_LIKE: Final = frozenset({"chat", "messages", "responses"})
+_IMAGE_PARTS: Final = frozenset({"image_url", "input_image", "image", "image_pil", "image_embeds"})
+_AUDIO_PARTS: Final = frozenset({"input_audio", "audio_url", "audio"})
+_VIDEO_PARTS: Final = frozenset({"video_url", "video"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +395,7 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result", "thinking", "document"})
+_ANTHROPIC_BLOCKS: Final = frozenset({"tool_use", "tool_result", "thinking", "document"})
 
 
 def guess_kind(body: dict[str, Any]) -> Kind:
