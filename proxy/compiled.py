@@ -16,9 +16,9 @@ What compiled code does not allow, and the sources keep to: a class of these mod
 subclassed by interpreted code; a call passes the annotated types (checked at run time); a
 dataclass's field types are importable at run time; a dataclass made per request is given an
 ``__init__`` of its own (the generated one stays interpreted: ``Profile``); a module-level
-name their functions read is ``Final`` (else every read is a lookup in the module's dict;
-``tests/test_compiled.py`` holds it), so patching one from outside changes nothing compiled
-code reads. The access log's
+name their functions read, theirs or imported from another of them, is ``Final`` (else every
+read is a lookup in the module's dict; ``tests/test_compiled.py`` holds it), so patching one
+from outside changes nothing compiled code reads. The access log's
 handler (``proxy/observe/accesslog.py``) is left out: compiled, it crashed the process at
 logging's shutdown; the lines are made in ``proxy/observe/accessline.py``, compiled.
 """

@@ -140,9 +140,8 @@ def test_a_build_for_other_modules_is_not_used(tmp_path: Path) -> None:
 _TYPE_NAMES = {"IPNetwork", "C", "Kind", "TryPick", "AnyServing", "Scanned", "Record", "Handler"}
 
 
-def _unfinal_names_read_by_functions(source: str) -> list[str]:
-    """A module's names assigned at its top level without ``Final`` that its functions read."""
-    tree = ast.parse(source)
+def _top_level_values(tree: ast.Module) -> set[str]:
+    """Names a module assigns at its top level without ``Final``."""
     assigned: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Assign):
@@ -150,6 +149,11 @@ def _unfinal_names_read_by_functions(source: str) -> list[str]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if node.value is not None and "Final" not in ast.unparse(node.annotation):
                 assigned.add(node.target.id)
+    return assigned - _TYPE_NAMES - {"__all__"}
+
+
+def _read_by_functions(tree: ast.Module) -> set[str]:
+    """Names the module's functions read and do not rebind (``global``)."""
     read: set[str] = set()
     rebound: set[str] = set()
     for node in ast.walk(tree):
@@ -159,21 +163,33 @@ def _unfinal_names_read_by_functions(source: str) -> list[str]:
                     rebound.update(sub.names)
                 elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
                     read.add(sub.id)
-    return sorted((assigned & read) - rebound - _TYPE_NAMES - {"__all__"})
+    return read - rebound
+
+
+def unfinal_names(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Per module of ``sources`` (name: text), its top-level names without ``Final`` that
+    functions read: its own, or those of another of the modules that import them by name."""
+    trees = {m: ast.parse(text) for m, text in sources.items()}
+    found = {m: _top_level_values(t) & _read_by_functions(t) for m, t in trees.items()}
+    for tree in trees.values():
+        read = _read_by_functions(tree)
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module in trees:
+                names = {a.name for a in node.names if a.asname is None} & read
+                found[node.module] |= names & _top_level_values(trees[node.module])
+    return {m: sorted(names) for m, names in found.items() if names}
 
 
 def test_the_compiled_modules_constants_are_final() -> None:
     """Compiled, a module-level name is looked up in the module's dict at every read unless it
     is ``Final`` (then it is a C static, or a literal in place): on the relay's path such reads
-    were about 1,000 of a relayed chunk's 22,000 instructions (``docs/benchmarks.md``)."""
-    found = {
-        m: names
-        for m in compiled.MODULES
-        if (names := _unfinal_names_read_by_functions(compiled.source_of(m).read_text()))
-    }
-    assert found == {}
+    were about 1,000 of a relayed chunk's 22,000 instructions (``docs/benchmarks.md``). A name
+    imported from another compiled module is read through that module's static."""
+    sources = {m: compiled.source_of(m).read_text() for m in compiled.MODULES}
+    assert unfinal_names(sources) == {}
 
 
-def test_a_name_not_final_is_found() -> None:
-    source = "from typing import Final\nA = 1\nB: Final = 2\nT = int\ndef f() -> int:\n    return A + B\n"
-    assert _unfinal_names_read_by_functions(source) == ["A"]
+def test_a_name_not_final_is_found_where_it_is_read() -> None:
+    a = "from typing import Final\nA = 1\nB: Final = 2\nT = int\nU = 3\ndef f() -> int:\n    return A + B\n"
+    b = "from a import U\nfrom a import T\ndef g() -> int:\n    return U\n"
+    assert unfinal_names({"a": a, "b": b}) == {"a": ["A", "U"]}

@@ -471,6 +471,7 @@ async def test_a_reads_body_reaches_the_handler_before_the_error_found_after_it(
         (chunk(b"a") + chunk(b"bc"), [b"a", b"bc"], 6 + 7),
         (b"A\r\n" + b"x" * 10 + b"\r\n", [b"x" * 10], 15),  # upper-case hex
         (b"0a\r\n" + b"y" * 10 + b"\r\n", [b"y" * 10], 16),  # a leading zero
+        (b"00000005\r\nhello\r\n", [b"hello"], 17),  # eight digits, the most taken
         (chunk(b"a") + b"0\r\n\r\n", [b"a"], 6),  # the last chunk is the parser's
         (chunk(b"a") + chunk(b"bcd")[:5], [b"a"], 6),  # a chunk cut short by the read
         (chunk(b"a") + b"3", [b"a"], 6),  # a size line cut short
@@ -531,14 +532,34 @@ async def test_whole_chunks_between_chunks_bypass_the_parser_which_still_reads_t
     assert conn.complete and conn.error is None and seen[-1] == b"seven"
 
 
+async def test_a_broken_chunk_ends_the_bypass() -> None:
+    """A read that ends a chunk and then breaks the framing fails the answer, and leaves no
+    boundary behind: bytes a closing transport still delivers go to the failed parser, never
+    to the handler."""
+    loop = asyncio.get_running_loop()
+    conn = h1.H1Connection(loop)
+    conn.head = loop.create_future()
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    seen: list[bytes] = []
+    conn.handler = functools.partial(_noted_in, seen)
+    conn.data_received(chunk(b"one")[:4])
+    conn.data_received(chunk(b"one")[4:] + b"XYZ\r\n")  # ends a chunk, then no size line
+    assert isinstance(conn.error, UpstreamClosed) and not conn.at_boundary
+    assert b"".join(seen) == b"one"
+    conn.data_received(chunk(b"late"))
+    assert b"".join(seen) == b"one"
+
+
 async def test_a_chunked_body_split_anywhere_comes_whole_and_in_order() -> None:
     """Chunked bodies of random chunks (extensions among them) cut into random reads, pumped
     and read: the bytes that come out are the body, the answer complete, no error."""
     rng = random.Random(37)
     loop = asyncio.get_running_loop()
     for case in range(300):
+        # Random bytes, and bytes that look like chunks themselves: a boundary wrongly assumed
+        # inside a chunk would take them for chunks.
         parts = [
-            rng.randbytes(rng.choice((1, 2, 15, 16, 17, 255, 300)))
+            rng.choice((rng.randbytes(rng.choice((1, 2, 15, 16, 17, 255, 300))), chunk(b"abc")))
             for _ in range(rng.randint(1, 12))
         ]
         wire = (

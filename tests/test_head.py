@@ -165,9 +165,9 @@ async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
     await asyncio.wait_for(writer.drain(), 5)
 
 
-def test_a_written_chunk_is_framed_as_uvicorn_frames_it_at_every_size() -> None:
-    """``write_body`` frames a chunk as the cycle's ``send`` does (its size in hex, CRLF, the
-    bytes, CRLF), for sizes from the table of size lines and past it."""
+def test_a_written_chunk_is_framed_at_every_size() -> None:
+    """``write_body`` frames a chunk of a chunked body (its size in hex, CRLF, the bytes, CRLF,
+    as the cycle's ``send`` frames one), for sizes from the table of size lines and past it."""
     written: list[bytes] = []
 
     class Flow:

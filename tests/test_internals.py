@@ -130,6 +130,35 @@ def _response_parser() -> None:
     assert issubclass(httptools.HttpParserUpgrade, Exception)
 
 
+def _chunk_boundary() -> None:
+    class Seen:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def on_chunk_header(self) -> None:
+            self.calls.append("size")
+
+        def on_body(self, body: bytes) -> None:
+            self.calls.append(body.decode())
+
+        def on_chunk_complete(self) -> None:
+            self.calls.append("chunk end")
+
+        def on_message_complete(self) -> None:
+            self.calls.append("end")
+
+    seen = Seen()
+    parser = httptools.HttpResponseParser(seen)
+    parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r")
+    # The chunk ends once the CRLF after its bytes is read, not before.
+    assert_equal(seen.calls, ["size", "abc"])
+    parser.feed_data(b"\n")
+    assert_equal(seen.calls, ["size", "abc", "chunk end"])
+    # Then the parser waits for a size line: chunks taken without it leave it there.
+    parser.feed_data(b"2\r\nde\r\n0\r\n\r\n")
+    assert_equal(seen.calls[3:], ["size", "de", "chunk end", "size", "chunk end", "end"])
+
+
 def _value_class() -> None:
     source_has(prometheus_client.metrics.Counter._metric_init, "values.ValueClass(")
     source_has(prometheus_client.metrics.Histogram._metric_init, "values.ValueClass(")
@@ -202,6 +231,14 @@ INTERNALS = [
         "proxy/relay/h1.py H1Connection: the answer's head, its body (pumped), its end, and "
         "bytes past the end (StrayAnswer)",
         _response_parser,
+    ),
+    Internal(
+        "httptools",
+        "HttpResponseParser: on_chunk_header at a size line's end, on_chunk_complete once the "
+        "CRLF after the chunk's bytes is read, the parser then waiting for the next size line",
+        "proxy/relay/h1.py H1Connection.at_boundary, leading_chunks: whole chunks taken without "
+        "the parser while it stands between two",
+        _chunk_boundary,
     ),
     Internal(
         "httpx-aiohttp",

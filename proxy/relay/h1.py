@@ -145,8 +145,9 @@ class H1Connection(asyncio.Protocol):
             except (httptools.HttpParserUpgrade, httptools.HttpParserError) as exc:
                 error = exc
             # Still between chunks only if the parse ended one and nothing came after it:
-            # a size line's first bytes call nothing, but never end in CRLF.
-            self.at_boundary = self.at_boundary and rest.endswith(_CRLF)
+            # a size line's first bytes call nothing, but never end in CRLF. Never after an
+            # error: what a closing transport still delivers must not skip the failed parser.
+            self.at_boundary = error is None and self.at_boundary and rest.endswith(_CRLF)
         self.batch = None
         if batch:
             self._hand(batch[0] if len(batch) == 1 else b"".join(batch))

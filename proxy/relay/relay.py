@@ -75,7 +75,7 @@ now: Final = time.monotonic
 
 # Not forwarded upstream: hop-by-hop, what the upstream client sets itself, and the client's
 # own credentials (a replica has its own key; a client's key must never reach it).
-DROP_UPSTREAM = HOP_BY_HOP | {
+DROP_UPSTREAM: Final = HOP_BY_HOP | {
     b"host", b"content-length", b"expect", b"x-request-id",
     b"authorization", b"proxy-authorization", b"api-key", b"x-api-key", b"cookie",
 }  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from proxy.fleet.fleet import Fleet, Pool, Replica, ReplicaState
 from proxy.observe.metrics import Metrics
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # How often a request with no replica to go to looks again while one it could take is on its
 # canary (``Picker.canary_coming``): a retry and a continuation alike.
-CANARY_POLL_S = 0.05
+CANARY_POLL_S: Final = 0.05
 
 
 class Picker:
