@@ -40,6 +40,11 @@ _LAST_CHUNK: Final = b"0\r\n\r\n"
 _SIZE_LINES: Final = [b"%x\r\n" % n for n in range(2048)]
 
 
+def _size_line(n: int) -> bytes:
+    """A chunk's size line, for a chunk of ``n`` bytes."""
+    return _SIZE_LINES[n] if n < 2048 else b"%x\r\n" % n
+
+
 class Start:
     """The bytes to write (in order, one vectored write) and the cycle's state after them."""
 
@@ -113,7 +118,7 @@ def start_with_body(
         length = 0
     elif chunked:
         if body:
-            parts += (b"%x\r\n" % len(body), body, _CRLF)
+            parts += (_size_line(len(body)), body, _CRLF)
         if not more_body:
             parts.append(_LAST_CHUNK)
     else:
@@ -222,9 +227,7 @@ class DirectBody:
         cycle = self.cycle
         if cycle is None or cycle.disconnected:
             return True
-        n = len(data)
-        line = _SIZE_LINES[n] if n < 2048 else b"%x\r\n" % n
-        cycle.transport.write(line + data + _CRLF)
+        cycle.transport.write(_size_line(len(data)) + data + _CRLF)
         return not cycle.flow.write_paused
 
     def end(self, data: bytes) -> bool:
@@ -241,7 +244,7 @@ class DirectBody:
         if cycle.flow.write_paused:
             return False
         if data:
-            cycle.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+            cycle.transport.write(_size_line(len(data)) + data + _CRLF + _LAST_CHUNK)
         else:
             cycle.transport.write(_LAST_CHUNK)
         _complete(cycle)

