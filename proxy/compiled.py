@@ -37,6 +37,9 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
+    "proxy.edge.bounds",
+    "proxy.edge.connection",
+    "proxy.edge.cycle",
     "proxy.edge.endpoint",
     "proxy.edge.head",
     "proxy.edge.validate",

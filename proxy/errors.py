@@ -343,6 +343,13 @@ class HeadRefused(TokenlaneError):
     the edge's bounds (``proxy.edge.bounds``); the connection is answered and closed there."""
 
 
+class InvalidResponse(TokenlaneError, RuntimeError):
+    """A response an ASGI app asked the gateway's server for that HTTP/1.1 cannot carry (a
+    header byte HTTP refuses, a status with no line, a body longer or shorter than its
+    Content-Length): nothing of it is written. Also a ``RuntimeError``, as uvicorn raises
+    there."""
+
+
 class AttemptFault(TokenlaneError):
     """A fault the relay found itself (a status, an error event, its watchdog), on its way to
     the one place that judges faults."""

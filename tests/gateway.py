@@ -17,7 +17,7 @@ import yaml
 
 import proxy
 from proxy.config import LaneConfig, Policy
-from proxy.edge.connection import NoDelayHttpToolsProtocol
+from proxy.edge.connection import GatewayProtocol
 from proxy.edge.routes import GatewayApp
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
@@ -87,7 +87,7 @@ async def running_gateway(
     if isinstance(policy, dict):
         policy = build_policy(policy)
     app = create_app(policy, environ=environ or {})
-    async with serve_app(app, http=NoDelayHttpToolsProtocol) as url:
+    async with serve_app(app, http=GatewayProtocol) as url:
         if ready:
             await wait_ready(url)
         yield url, app

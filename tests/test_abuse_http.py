@@ -21,6 +21,8 @@ from proxy.edge.bounds import (
     BODY,
     HEAD,
     IDLE,
+    KEEP_ALIVE_S,
+    KEPT,
     LINGER,
     LINGER_S,
     REFUSAL_REASONS,
@@ -80,6 +82,9 @@ def test_head_refusal(size: int, count: int, reason: str | None) -> None:
         (BODY, 0.0, 600.0, True, TimerCall(again_in=60.0)),  # the server paused reading
         (LINGER, 0.0, 0.5, False, TimerCall(again_in=LINGER_S - 0.5)),
         (LINGER, 0.0, LINGER_S, False, TimerCall(close=True)),
+        (KEPT, 10.0, 12.0, False, TimerCall(again_in=KEEP_ALIVE_S - 2.0)),
+        (KEPT, 10.0, 10.0 + KEEP_ALIVE_S, False, TimerCall(close=True)),
+        (KEPT, 10.0, 10.0 + KEEP_ALIVE_S, True, TimerCall(close=True)),
     ],
 )
 def test_on_timer(phase: str, since: float, now: float, paused: bool, call: TimerCall) -> None:

@@ -11,7 +11,7 @@ import httpx
 import yaml
 
 from loadtest.fake_upstream import running
-from proxy.edge.connection import NoDelayHttpToolsProtocol
+from proxy.edge.connection import GatewayProtocol
 from proxy.gateway import create_app
 from proxy.policyfile import load_policy
 
@@ -32,7 +32,7 @@ async def test_a_request_queued_for_a_pool_that_a_reload_removes_gets_503_not_50
         path.write_text(yaml.safe_dump(before))
         app = create_app(load_policy(path, environ={}), environ={}, policy_path=str(path))
         gw = app.gateway
-        async with serve_app(app, http=NoDelayHttpToolsProtocol) as url:
+        async with serve_app(app, http=GatewayProtocol) as url:
             await wait_ready(url)
             async with httpx.AsyncClient(timeout=10) as client:
                 async with client.stream(
@@ -62,7 +62,7 @@ async def test_a_body_still_arriving_during_a_reload_is_laned_by_the_new_policy(
         path.write_text(yaml.safe_dump(policy_for({"p": [up.url]}, lanes=lanes_v1)))
         app = create_app(load_policy(path, environ={}), environ={}, policy_path=str(path))
         gw = app.gateway
-        async with serve_app(app, http=NoDelayHttpToolsProtocol) as url:
+        async with serve_app(app, http=GatewayProtocol) as url:
             await wait_ready(url)
             port = int(url.rsplit(":", 1)[1])
             body = json.dumps(CHAT).encode()

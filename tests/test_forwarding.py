@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from loadtest.fake_upstream import running
-from proxy.edge.connection import NoDelayHttpToolsProtocol
+from proxy.edge.connection import GatewayProtocol
 from proxy.edge.endpoint import forwarding_headers, without_connection_named
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
@@ -61,7 +61,7 @@ async def _headers_received(trusted: list[str]) -> dict[str, str]:
         # As `make run` serves (``serve.uvicorn_config``): uvicorn's own proxy-header
         # handling off, so the peer is the socket's.
         async with (
-            serve_app(app, http=NoDelayHttpToolsProtocol, proxy_headers=False) as url,
+            serve_app(app, http=GatewayProtocol, proxy_headers=False) as url,
             httpx.AsyncClient() as client,
         ):
             await wait_ready(url)

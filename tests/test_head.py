@@ -1,5 +1,6 @@
-"""``edge/head.py``: a response's start and first body written as uvicorn's own cycle writes
-them, byte for byte and state for state; None exactly where uvicorn's ``send`` raises."""
+"""``edge/head.py`` and the cycle's ``send`` (``edge/cycle.py``): a response's start and first
+body written as uvicorn's own cycle writes them, byte for byte and state for state; refused
+(``InvalidResponse``, nothing written) exactly where uvicorn's ``send`` raises."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy.edge.head import DirectBody, start_with_body
+from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
+from proxy.edge.cycle import Cycle, Flow
+from proxy.edge.head import chunk, chunk_parts, last_chunk, response_start
+from proxy.errors import InvalidResponse
 
 DEFAULT = [(b"date", b"Fri, 27 Nov 2026 21:13:43 GMT"), (b"server", b"uvicorn")]
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -79,6 +83,8 @@ async def uvicorns(
 CASES = {
     "a stream's start and first chunk": ("POST", True, 200, [SSE], b"data: a\n\n", True),
     "a stream whole in its first read": ("POST", True, 200, [SSE], b"data: [DONE]\n\n", False),
+    "a large first body, more to come": ("POST", True, 200, [SSE], b"d" * 5000, True),
+    "a large body whole": ("POST", True, 200, [SSE], b"d" * 70000, False),
     "a stream's start with an empty first body": ("POST", True, 200, [SSE], b"", True),
     "a whole body with its length": (
         "POST",
@@ -124,14 +130,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
-async def test_the_start_is_what_uvicorn_writes_or_none_where_it_raises(case: Any) -> None:
+async def test_the_start_is_what_uvicorn_writes_or_refused_where_it_raises(case: Any) -> None:
     method, keep_alive, status, headers, body, more = case
     want = await uvicorns(method, keep_alive, status, headers, body, more)
-    got = start_with_body(status, headers, list(DEFAULT), method, None, 0, keep_alive, body, more)
     if isinstance(want, type):
-        assert got is None, f"uvicorn raised {want.__name__}"
+        with pytest.raises(InvalidResponse):
+            response_start(status, headers, list(DEFAULT), method, None, 0, keep_alive, body, more)
         return
-    assert got is not None
+    got = response_start(status, headers, list(DEFAULT), method, None, 0, keep_alive, body, more)
     data, (chunked, length, alive, complete, closed) = want
     assert b"".join(got.parts) == data
     assert (got.chunked, got.length, got.keep_alive, got.complete) == (
@@ -141,50 +147,62 @@ async def test_the_start_is_what_uvicorn_writes_or_none_where_it_raises(case: An
         complete,
     )
     # uvicorn closes a finished response's connection that is not kept alive; so does the cycle
-    # (``edge/connection.py``) on ``complete`` and not ``keep_alive``.
+    # (``edge/cycle.py``) on ``complete`` and not ``keep_alive``.
     assert closed == (got.complete and not got.keep_alive)
 
 
-async def test_a_writer_whose_cycle_is_gone_writes_nothing() -> None:
-    """The writer holds its cycle weakly (the scope holds the writer and the cycle the scope):
-    once the request is over and the cycle freed, a late call writes nothing, as for a client
-    gone, and never fails."""
-
-    class Cycle:
-        pass
-
-    cycle = Cycle()
-    writer = DirectBody(cast(RequestResponseCycle, cycle))
-    assert writer.cycle is cycle
-    del cycle
-    assert writer.cycle is None
-    assert writer.start(lambda message: None, {"type": "http.response.start"}) is False
-    assert writer.direct() is False
-    assert writer.write_body(b"late") is True
-    assert writer.end(b"") is True
-    await asyncio.wait_for(writer.drain(), 5)
+def _cycle(method: str, keep_alive: bool) -> tuple[Cycle, Written, list[str]]:
+    transport = Written()
+    told: list[str] = []
+    cycle = Cycle(
+        cast(asyncio.Transport, transport),
+        Flow(cast(asyncio.Transport, transport)),
+        method,
+        keep_alive,
+        False,
+        list(DEFAULT),
+        lambda: told.append("complete"),
+    )
+    return cycle, transport, told
 
 
-def test_a_written_chunk_is_framed_at_every_size() -> None:
-    """``write_body`` frames a chunk of a chunked body (its size in hex, CRLF, the bytes, CRLF,
-    as the cycle's ``send`` frames one), for sizes from the table of size lines and past it."""
-    written: list[bytes] = []
+@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
+@pytest.mark.parametrize("with_body", [False, True], ids=["two messages", "START_WITH_BODY"])
+async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body: bool) -> None:
+    """The server's ``send``, a start then a body (or the start carrying it), against uvicorn's
+    own cycle given the same: the same bytes and state, or an error where uvicorn raised one."""
+    method, keep_alive, status, headers, body, more = case
+    want = await uvicorns(method, keep_alive, status, headers, body, more)
+    cycle, transport, told = _cycle(method, keep_alive)
+    start: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
+    if with_body:
+        start |= {START_BODY: body, START_MORE_BODY: more}
 
-    class Flow:
-        write_paused = False
+    async def send_both() -> None:
+        await cycle.send(start)
+        if not with_body:
+            await cycle.send({"type": "http.response.body", "body": body, "more_body": more})
 
-    class Transport:
-        def write(self, data: bytes) -> None:
-            written.append(data)
+    if isinstance(want, type):
+        with pytest.raises(RuntimeError):
+            await send_both()
+        return
+    await send_both()
+    data, (chunked, length, alive, complete, closed) = want
+    assert transport.data == data
+    state = (cycle.chunked_encoding, cycle.expected_content_length, cycle.keep_alive)
+    assert state == (chunked, length, alive)
+    assert (cycle.response_complete, transport.closed) == (complete, closed)
+    assert told == (["complete"] if complete else [])
 
-    class Cycle:
-        disconnected = False
-        transport = Transport()
-        flow = Flow()
 
-    cycle = Cycle()
-    writer = DirectBody(cast(RequestResponseCycle, cycle))
+def test_a_chunk_is_framed_at_every_size() -> None:
+    """A chunk of a chunked body: its size in hex, CRLF, the bytes, CRLF (as uvicorn frames
+    one), for sizes from the table of size lines and past it; the last one ends the body."""
     for size in (1, 15, 16, 255, 2047, 2048, 4096, 70000):
         data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-        assert writer.write_body(data) is True
-        assert written[-1] == b"%x\r\n%b\r\n" % (size, data), size
+        assert chunk(data) == b"%x\r\n%b\r\n" % (size, data), size
+        assert last_chunk(data) == b"%x\r\n%b\r\n0\r\n\r\n" % (size, data), size
+        for last in (False, True):
+            assert b"".join(chunk_parts(data, last)) == (last_chunk if last else chunk)(data)
+    assert last_chunk(b"") == b"0\r\n\r\n"

@@ -31,8 +31,9 @@ import uvicorn.lifespan.on
 import uvicorn.server
 from httpx_aiohttp.transport import AiohttpTransport
 from uvicorn.protocols.http import httptools_impl
-from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from proxy.edge.connection import GatewayProtocol
 
 
 @dataclass(frozen=True)
@@ -187,12 +188,27 @@ def _histogram_child() -> None:
         assert callable(value.inc)
 
 
-def _message_event() -> None:
-    source = inspect.getsource(httptools_impl)
-    uses = set(re.findall(r"message_event\.(\w+)", source))
-    assert uses == {"set", "wait", "clear"}, f"message_event used as {sorted(uses)}"
-    source_has(HttpToolsProtocol.on_headers_complete, "message_event=asyncio.Event()")
-    assert "__weakref__" in {n for c in RequestResponseCycle.__mro__ for n in vars(c)}
+def _websocket_handover() -> None:
+    from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
+
+    async def app(scope: object, receive: object, send: object) -> None: ...
+
+    config = uvicorn.Config(app, log_level="warning")
+    config.load()  # the class the gateway's server would hand an upgrade to ("auto")
+    ws = config.ws_protocol_class
+    assert ws is not None
+    has_params(ws.__init__, "config", "server_state", "app_state")
+    has_params(ws.connection_made, "transport")
+    assert callable(ws.data_received)
+    for helper in (get_local_addr, get_remote_addr, is_ssl):
+        has_params(helper, "transport")
+    # The hand-over as uvicorn's own protocol does it (the head fed again, then set_protocol).
+    source_has(
+        HttpToolsProtocol.handle_websocket_upgrade,
+        "protocol.connection_made(self.transport)",
+        "protocol.data_received(",
+        "self.transport.set_protocol(protocol)",
+    )
 
 
 INTERNALS = [
@@ -298,130 +314,54 @@ INTERNALS = [
     ),
     Internal(
         "uvicorn",
-        "HttpToolsProtocol.connection_made(transport), connection_lost(exc), and "
-        "on_headers_complete() building self.cycle = RequestResponseCycle(scope=self.scope...)",
-        "proxy/edge/connection.py NoDelayHttpToolsProtocol: TCP_NODELAY, START_WITH_BODY and the "
-        "client-gone hook",
+        "Server.startup makes Config.http_protocol_class(config=, server_state=, app_state=) "
+        "per connection; ServerState .connections, .tasks (awaited at shutdown), "
+        ".default_headers (dated on each tick), .total_requests; Server.shutdown calls each "
+        "connection's shutdown(); Config .loaded/load(), .loaded_app, .root_path, "
+        ".asgi_version, .timeout_keep_alive, .ws_protocol_class",
+        "proxy/edge/connection.py GatewayProtocol: the gateway's own protocol under uvicorn's "
+        "Server",
         lambda: (
             (
-                has_params(HttpToolsProtocol.connection_made, "transport"),
-                has_params(HttpToolsProtocol.connection_lost, "exc"),
                 source_has(
-                    HttpToolsProtocol.on_headers_complete,
-                    "self.cycle = RequestResponseCycle(",
-                    "scope=self.scope",
+                    uvicorn.Server.startup,
+                    "config.http_protocol_class",
+                    "config=config",
+                    "server_state=self.server_state",
+                    "app_state=self.lifespan.state",
                 ),
+                source_has(uvicorn.Server.shutdown, "connection.shutdown()"),
+                source_has(uvicorn.Server.on_tick, "self.server_state.default_headers"),
+                assert_equal(
+                    sorted(vars(uvicorn.server.ServerState())),
+                    ["connections", "default_headers", "tasks", "total_requests"],
+                ),
+                source_has(
+                    uvicorn.Config.__init__,
+                    "self.root_path = root_path",
+                    "self.timeout_keep_alive = timeout_keep_alive",
+                ),
+                source_has(uvicorn.Config.load, "self.loaded_app", "self.ws_protocol_class"),
+                assert_equal(isinstance(uvicorn.Config.asgi_version, property), True),
             )
             and None
         ),
     ),
     Internal(
         "uvicorn",
-        "the cycle's message_event: built in on_headers_complete and only set(), wait() and "
-        "clear()ed, by the protocol and the cycle; a cycle can be weakly referenced",
-        "proxy/edge/connection.py: a compiled MessageEvent put in its place right after the "
-        "cycle is built; proxy/edge/head.py DirectBody: holds its cycle weakly",
-        _message_event,
+        "a WebSocket protocol class made as (config=, server_state=, app_state=), then "
+        "connection_made(transport) and data_received(the request's head); protocols.utils "
+        "get_local_addr, get_remote_addr, is_ssl",
+        "proxy/edge/connection.py GatewayProtocol: an upgrade handed over, the scope's "
+        "addresses",
+        _websocket_handover,
     ),
     Internal(
         "uvicorn",
-        "RequestResponseCycle: no __slots__ (its class is swapped), .transport written through "
-        "in send(), .scope, .disconnected, .response_complete",
-        "proxy/edge/connection.py CoalescingCycle, proxy/edge/head.py DirectBody.start: the "
-        "response start and first body in one write",
-        lambda: (
-            (
-                assert_equal("__slots__" in vars(RequestResponseCycle), False),
-                source_has(
-                    RequestResponseCycle.__init__,
-                    "self.transport = transport",
-                    "self.scope = scope",
-                    "self.disconnected = False",
-                    "self.response_complete = False",
-                ),
-                source_has(RequestResponseCycle.send, "self.transport.write("),
-            )
-            and None
-        ),
-    ),
-    Internal(
-        "uvicorn",
-        "RequestResponseCycle .response_started, .chunked_encoding, .flow (FlowControl: "
-        ".write_paused, drain()), and send() framing a chunk as b'%x\\r\\n' + body + b'\\r\\n'",
-        "proxy/edge/head.py DirectBody.direct/write_body/drain (DIRECT_BODY): a "
-        "started stream's chunks written from the upstream connection's callback",
-        lambda: (
-            (
-                source_has(
-                    RequestResponseCycle.__init__,
-                    "self.response_started = False",
-                    "self.chunked_encoding",
-                    "self.flow = flow",
-                ),
-                source_has(RequestResponseCycle.send, 'b"%x\\r\\n" % len(body), body, b"\\r\\n"'),
-                source_has(FlowControl.__init__, "self.write_paused = False"),
-                assert_equal(inspect.iscoroutinefunction(FlowControl.drain), True),
-            )
-            and None
-        ),
-    ),
-    Internal(
-        "uvicorn",
-        "RequestResponseCycle.receive with the body all in: 100 Continue first when awaited, "
-        "reading resumed, the event cleared, bytes(.body) returned and .body emptied; "
-        ".more_body True until the protocol's on_message_complete",
-        "proxy/edge/head.py DirectBody.take_body (DIRECT_BODY): a request body that is all in "
-        "handed over as the first receive() returns it",
-        lambda: (
-            (
-                source_has(
-                    RequestResponseCycle.receive,
-                    "self.waiting_for_100_continue",
-                    "self.flow.resume_reading()",
-                    "self.message_event.clear()",
-                    '"body": bytes(self.body)',
-                    "self.body = bytearray()",
-                ),
-                source_has(
-                    RequestResponseCycle.__init__,
-                    "self.body = bytearray()",
-                    "self.more_body = True",
-                ),
-                source_has(HttpToolsProtocol.on_message_complete, "self.cycle.more_body = False"),
-            )
-            and None
-        ),
-    ),
-    Internal(
-        "uvicorn",
-        "RequestResponseCycle.send ending a response: the last chunk b'0\\r\\n\\r\\n', "
-        ".response_complete, .message_event set, the transport closed without keep-alive, "
-        "then .on_response() (the protocol's on_response_complete: a pipelined request, the "
-        "keep-alive timeout)",
-        "proxy/edge/head.py DirectBody.start (a start with the whole body) and DirectBody.end "
-        "(a direct response's end), both ending a response as send does",
-        lambda: (
-            (
-                source_has(
-                    RequestResponseCycle.send,
-                    'b"0\\r\\n\\r\\n"',
-                    "self.response_complete = True",
-                    "self.message_event.set()",
-                    "if not self.keep_alive:",
-                    "self.on_response()",
-                ),
-                source_has(RequestResponseCycle.__init__, "self.on_response = on_response"),
-            )
-            and None
-        ),
-    ),
-    Internal(
-        "uvicorn",
-        "httptools_impl.HEADER_RE, HEADER_VALUE_RE and STATUS_LINE (bytes by status) as "
-        "RequestResponseCycle.send checks and writes a start; the cycle's .default_headers, "
-        ".keep_alive, .expected_content_length, .waiting_for_100_continue, .message_event, "
-        ".access_log",
-        "proxy/edge/head.py start_with_body (tests/test_head.py holds it to send's bytes)",
+        "httptools_impl.HEADER_RE, HEADER_VALUE_RE and STATUS_LINE (bytes by status), as "
+        "RequestResponseCycle.send checks and writes a start",
+        "proxy/edge/head.py response_start (tests/test_head.py holds it, and the cycle's send, "
+        "to uvicorn's own send)",
         lambda: (
             (
                 assert_equal(httptools_impl.STATUS_LINE[200], b"HTTP/1.1 200 OK\r\n"),
@@ -432,16 +372,6 @@ INTERNALS = [
                     "HEADER_RE.search(name)",
                     "HEADER_VALUE_RE.search(value)",
                     "STATUS_LINE[status_code]",
-                    "self.default_headers + list(",
-                ),
-                source_has(
-                    RequestResponseCycle.__init__,
-                    "self.default_headers = default_headers",
-                    "self.keep_alive = keep_alive",
-                    "self.expected_content_length = 0",
-                    "self.waiting_for_100_continue",
-                    "self.message_event = message_event",
-                    "self.access_log = access_log",
                 ),
             )
             and None
@@ -482,7 +412,7 @@ INTERNALS = [
                 assert_equal(hasattr(uvicorn.server.ServerState(), "connections"), True),
                 source_has(uvicorn.Config.load, "self.http_protocol_class"),
                 source_has(uvicorn.lifespan.on.LifespanOn.__init__, "self.state"),
-                assert_equal(callable(getattr(HttpToolsProtocol, "shutdown", None)), True),
+                assert_equal(callable(getattr(GatewayProtocol, "shutdown", None)), True),
             )
             and None
         ),

@@ -343,8 +343,7 @@ async def test_replica_key_is_sent_as_bearer_token() -> None:
 
 
 async def test_tcp_nodelay_is_set_on_both_sides() -> None:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
+    from proxy.edge.connection import GatewayProtocol
     from proxy.relay.h1 import H1Connection
 
     async with running(tokens=3) as up:
@@ -360,7 +359,7 @@ async def test_tcp_nodelay_is_set_on_both_sides() -> None:
             downstream = [
                 o.transport.get_extra_info("socket")
                 for o in gc.get_objects()
-                if isinstance(o, HttpToolsProtocol)
+                if isinstance(o, GatewayProtocol)
                 and o.transport is not None
                 and not o.transport.is_closing()
             ]

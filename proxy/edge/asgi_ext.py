@@ -1,6 +1,6 @@
 """ASGI extensions between the gateway's server (``serve``) and its relay.
 
-All three are advertised in ``scope["extensions"]`` by ``connection.NoDelayHttpToolsProtocol``;
+All three are advertised in ``scope["extensions"]`` by ``connection.GatewayProtocol``;
 under any other ASGI server they are absent and the relay does what plain ASGI allows (two
 messages for a start and its first body; a task per request listening for the disconnect;
 each chunk and the request's body through ``send`` and ``receive``).
@@ -8,6 +8,7 @@ each chunk and the request's body through ``send`` and ``receive``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -67,10 +68,13 @@ class BodyWriter(Protocol):
 class ClientGoneHook:
     """One request's disconnect callback, set by the app and fired once by the server."""
 
-    __slots__ = ("callback", "reason")
+    __slots__ = ("callback", "reason", "task")
 
     def __init__(self) -> None:
         self.callback: Callable[[], None] | None = None
+        # The task running the request's app, set by the server as it starts it: the app
+        # cancels it when the client leaves, without asking asyncio which task it is in.
+        self.task: asyncio.Task[None] | None = None
         # Set by the server when it cut the connection itself (a client that stopped reading).
         self.reason: str | None = None
 

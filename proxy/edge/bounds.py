@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Final
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from proxy.config import ServerConfig
 from proxy.errors import error_body
 
-REFUSAL_REASONS = (
+REFUSAL_REASONS: Final = (
     "header_bytes",  # 431: the URL, header names and values over max_request_header_bytes
     "header_count",  # 431: more than max_request_headers
     "head_timeout",  # 408: a head not complete within request_head_timeout_s of its first byte
@@ -26,11 +27,14 @@ REFUSAL_REASONS = (
 # After a refusal the answer is written, the write side shut, and what the client still sends
 # read and dropped for this long: closing at once with unread input makes the kernel send a
 # reset, which can destroy the answer before the client reads it.
-LINGER_S = 2.0
+LINGER_S: Final = 2.0
+# How long a kept-alive connection may wait for its next request (uvicorn's
+# ``timeout_keep_alive``, which ``serve`` sets to this; uvicorn's own default is 5 s).
+KEEP_ALIVE_S: Final = 30.0
 # A head's framing beyond what is counted: ": " and CRLF per header line, and the request
 # line's method, spaces and version.
-_FRAMING_PER_LINE = 4
-_REQUEST_LINE_FRAMING = 64
+_FRAMING_PER_LINE: Final = 4
+_REQUEST_LINE_FRAMING: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +52,10 @@ class Bounds:
     # ends (by concatenation: quadratic), so one endless header is refused while it is still
     # arriving, once it cannot fit the counted bound whatever its framing.
     raw_head_cap: int
+    keep_alive_s: float = KEEP_ALIVE_S
 
     @classmethod
-    def of(cls, server: ServerConfig) -> Bounds:
+    def of(cls, server: ServerConfig, keep_alive_s: float = KEEP_ALIVE_S) -> Bounds:
         return cls(
             max_header_bytes=server.max_request_header_bytes,
             max_headers=server.max_request_headers,
@@ -62,6 +67,7 @@ class Bounds:
             raw_head_cap=server.max_request_header_bytes
             + _FRAMING_PER_LINE * server.max_request_headers
             + _REQUEST_LINE_FRAMING,
+            keep_alive_s=keep_alive_s,
         )
 
 
@@ -76,11 +82,12 @@ def head_refusal(size: int, count: int, bounds: Bounds) -> str | None:
 
 
 # A connection's phase, for its one timer.
-IDLE = "idle"  # between requests, or a request being answered: nothing to time here
-SILENT = "silent"  # accepted, nothing received yet
-HEAD = "head"  # part of a head received
-BODY = "body"  # head complete, body not
-LINGER = "linger"  # refused: the answer is out, input is dropped until the close
+IDLE: Final = "idle"  # between requests, or a request being answered: nothing to time here
+SILENT: Final = "silent"  # accepted, nothing received yet
+HEAD: Final = "head"  # part of a head received
+BODY: Final = "body"  # head complete, body not
+LINGER: Final = "linger"  # refused: the answer is out, input is dropped until the close
+KEPT: Final = "kept"  # a response complete, the connection kept alive, no byte of the next request
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,9 @@ def on_timer(phase: str, since: float, now: float, reading_paused: bool, b: Boun
         limit, reason = b.body_timeout_s, "body_timeout"
     elif phase == LINGER:
         left = since + LINGER_S - now
+        return TimerCall(again_in=left) if left > 0 else TimerCall(close=True)
+    elif phase == KEPT:
+        left = since + b.keep_alive_s - now
         return TimerCall(again_in=left) if left > 0 else TimerCall(close=True)
     else:
         return TimerCall()

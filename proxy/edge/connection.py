@@ -1,47 +1,51 @@
-"""One client connection as the gateway serves it: uvicorn's httptools protocol with
-TCP_NODELAY, the ``START_WITH_BODY``, ``CLIENT_GONE`` and ``DIRECT_BODY`` extensions, and the
-edge bounds (``proxy.edge.bounds``) held per connection.
+"""One client connection as the gateway serves it: HTTP/1.1 parsed by httptools, each request
+run as an ASGI app (``proxy.edge.cycle``) under uvicorn's ``Server`` (which binds, runs the
+lifespan and signals, and shuts down), TCP_NODELAY, the ``START_WITH_BODY``, ``CLIENT_GONE``
+and ``DIRECT_BODY`` extensions, and the edge bounds (``proxy.edge.bounds``) held per connection.
+
+The gateway's own, compiled (``proxy/compiled.py``): uvicorn's httptools protocol, which it ran
+before, is interpreted, and cost more CPU a request than the relay's own work on it
+(``proxy/edge/cycle.py`` has the figures). Its behaviour is kept: keep-alive (timed by the
+connection's one timer, not a timer per request), pipelining (one request answered at a time,
+in order, reading paused meanwhile), ``Expect: 100-continue``, a WebSocket upgrade handed to
+uvicorn's WebSocket protocol, and a graceful ``shutdown``.
+
+uvicorn's ``limit_concurrency`` and its access log are not served: the gateway's own bounds
+(``server.max_connections``, the lanes' queues) and its JSON access log do those jobs.
 
 The protocol finds what its server's connections share (``Edge``: the bounds in force and the
 refusal counters) through the app it serves: any object with a ``gateway`` that has ``policy``
 and ``metrics`` (``EdgeOwner``), so this module needs nothing of the composition root.
 
-Length: one job, the gateway's side of a client connection: the cycle's extensions
-(``START_WITH_BODY``, ``CLIENT_GONE``, ``DIRECT_BODY``) and the bounds share the protocol's
-state and its one timer, and change together when uvicorn moves.
+Length: one job, the gateway's side of a client connection. Parsing, the bounds and the
+keep-alive share the protocol's state and its one timer; each request's ASGI side is
+``proxy.edge.cycle``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import socket
+import urllib.parse
 import weakref
+from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import httptools
 from prometheus_client import CollectorRegistry, Counter
-from starlette.types import Message
-from uvicorn.protocols.http.httptools_impl import (
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
 from proxy.config import Policy, ServerConfig
-from proxy.edge.asgi_ext import (
-    CLIENT_GONE,
-    DIRECT_BODY,
-    START_BODY,
-    START_MORE_BODY,
-    START_WITH_BODY,
-    ClientGoneHook,
-)
+from proxy.edge.asgi_ext import CLIENT_GONE, DIRECT_BODY, START_WITH_BODY, ClientGoneHook
 from proxy.edge.bounds import (
     BODY,
     HEAD,
     IDLE,
+    KEPT,
     LINGER,
     LINGER_S,
     REFUSAL_REASONS,
@@ -51,12 +55,13 @@ from proxy.edge.bounds import (
     on_timer,
     refusal_answer,
 )
-from proxy.edge.head import DirectBody, MessageEvent
+from proxy.edge.cycle import HIGH_WATER, Cycle, Flow
 from proxy.errors import HeadRefused
 from proxy.observe.metrics import Metrics
 
-log = logging.getLogger("tokenlane")
-_NO_OPTIONS: dict[str, object] = {}  # an extension's (empty) options, shared
+log: Final = logging.getLogger("tokenlane")
+uvicorn_log: Final = logging.getLogger("uvicorn.error")
+_NO_OPTIONS: Final[dict[str, object]] = {}  # an extension's (empty) options, shared
 
 
 class EdgeOwner(Protocol):
@@ -64,68 +69,6 @@ class EdgeOwner(Protocol):
 
     policy: Policy
     metrics: Metrics
-
-
-class _Capture:
-    """Stands in for the connection's transport while one message's writes are collected;
-    ``flush`` sends them in one vectored write. A close (``Connection: close``) flushes and
-    closes at once, as uvicorn expects before it looks for the next request."""
-
-    __slots__ = ("closed", "parts", "transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.parts: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.parts.append(data)
-
-    def flush(self) -> None:
-        if self.parts:
-            self.transport.writelines(self.parts)  # one write, no joined copy
-            self.parts = []
-
-    def close(self) -> None:
-        self.flush()
-        self.transport.close()
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed or self.transport.is_closing()
-
-
-class CoalescingCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle that also takes the ``START_WITH_BODY`` extension: a
-    response start carrying its first body, written to the socket in one write.
-
-    Under plain ASGI the status line and headers leave in one write and the first chunk in
-    another: two TCP segments, and on a busy host two wake-ups of the client before it sees
-    any content. Relayed responses always have their first chunk in hand when they start."""
-
-    direct_body: DirectBody | None = None  # this cycle's DIRECT_BODY writer (set with the class)
-
-    # uvicorn types ``send`` with its own event TypedDicts; an ASGI app hands us any message
-    # mapping (starlette's ``Message``), and ours carry the START_WITH_BODY keys besides.
-    async def send(self, message: Message) -> None:  # type: ignore[override]
-        body = message.get(START_BODY)
-        if body is None:
-            await super().send(cast(Any, message))
-            return
-        writer = self.direct_body
-        if writer is not None and writer.start(self.send, message):
-            return
-        more = bool(message.get(START_MORE_BODY, False))
-        transport = self.transport
-        capture = _Capture(transport)
-        self.transport = capture  # type: ignore[assignment]
-        try:
-            await super().send(cast(Any, message))
-            await super().send({"type": "http.response.body", "body": body, "more_body": more})
-        finally:
-            self.transport = transport
-        if not self.disconnected:
-            capture.flush()
 
 
 class Edge:
@@ -136,7 +79,7 @@ class Edge:
         self, server: Callable[[], ServerConfig], registry: CollectorRegistry | None
     ) -> None:
         self._server = server
-        self._of: tuple[ServerConfig, Bounds] | None = None
+        self._of: tuple[ServerConfig, float, Bounds] | None = None
         self.refusals = Counter(
             "tokenlane_connection_refusals",
             "Connections refused or closed by the gateway's HTTP edge before a request was "
@@ -152,13 +95,13 @@ class Edge:
             registry=registry,
         )
 
-    def bounds(self) -> Bounds:
+    def bounds(self, keep_alive_s: float) -> Bounds:
         """The bounds of the policy in force (a reload applies to new connections)."""
         server = self._server()
         cached = self._of
-        if cached is None or cached[0] is not server:
-            cached = self._of = (server, Bounds.of(server))
-        return cached[1]
+        if cached is None or cached[0] is not server or cached[1] != keep_alive_s:
+            cached = self._of = (server, keep_alive_s, Bounds.of(server, keep_alive_s))
+        return cached[2]
 
     def refused(self, reason: str, client: tuple[str, int] | None) -> None:
         self._series[reason].inc()
@@ -171,8 +114,8 @@ class Edge:
         log.warning("client %s read nothing for %gs: response cut", peer, stall_s)
 
 
-_EDGES: weakref.WeakKeyDictionary[EdgeOwner, Edge] = weakref.WeakKeyDictionary()
-_DEFAULT_SERVER = ServerConfig()
+_EDGES: Final[weakref.WeakKeyDictionary[EdgeOwner, Edge]] = weakref.WeakKeyDictionary()
+_DEFAULT_SERVER: Final = ServerConfig()
 
 
 def _server_of(owner: EdgeOwner) -> Callable[[], ServerConfig]:
@@ -209,29 +152,61 @@ def edge_for(app: object) -> Edge:
     return Edge(lambda: _DEFAULT_SERVER, None)
 
 
-class NoDelayHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with TCP_NODELAY on every accepted connection (neither
-    asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small SSE chunk
-    until the previous one is acknowledged), serving the ``START_WITH_BODY`` extension.
+class GatewayProtocol:
+    """One client connection: the parser's callbacks build each request's scope and
+    ``Cycle``, whose app runs in a task of its own; the connection's one timer holds it to the
+    edge bounds (a silent socket, a slow head, a stalled body, the keep-alive between
+    requests, the linger after a refusal), and the connection cap is checked as it opens. A
+    request followed by bytes that do not parse gets its answer first; then the 400.
 
-    It also holds each connection to the edge bounds (``Bounds``): header bytes and count
-    counted as the parser reports them, the bytes of an unfinished head, one timer per
-    connection for a silent socket, a slow head and a stalled body, and the connection cap.
-    A request followed by bytes that do not parse gets its answer first; then the 400."""
+    Made by uvicorn's ``Server`` as its ``http`` protocol class, with its config, its shared
+    state (the open connections and the apps' tasks, which its shutdown waits for, and the
+    default headers it keeps dated) and the lifespan's state."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(transport)
-        self._hooks: list[tuple[RequestResponseCycle, ClientGoneHook]] = []
-        config: Any = self.config
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.config: Any = config
+        self.app: Any = config.loaded_app
+        self.loop: asyncio.AbstractEventLoop = _loop or asyncio.get_event_loop()
+        self.server_state: Any = server_state
+        self.connections: set[Any] = server_state.connections
+        self.tasks: set[asyncio.Task[None]] = server_state.tasks
+        self.app_state = app_state
+        self.root_path: str = config.root_path
+        self.asgi_version: str = config.asgi_version
+        self.fresh_context: bool = bool(getattr(config, "reset_contextvars", False))
+        self.parser: Any = httptools.HttpRequestParser(self)
+        # Answer a request whose bytes are followed by the client's close, as uvicorn does.
+        with contextlib.suppress(AttributeError):
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         edge = config.__dict__.get("tokenlane_edge")
         if edge is None:
             edge = config.tokenlane_edge = edge_for(config.loaded_app)
         self._edge: Edge = edge
-        b = self._bounds = edge.bounds()
+        self._bounds = edge.bounds(float(config.timeout_keep_alive))
+        # Per connection
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)  # until made
+        self.flow = Flow(self.transport)
+        self.server: tuple[str, int | None] | None = None
+        self.client: tuple[str, int] | None = None
+        self.scheme = "http"
+        self.pipeline: deque[tuple[Cycle, Any, dict[str, Any], ClientGoneHook]] = deque()
+        self.cycle: Cycle | None = None
+        self._hooks: list[tuple[Cycle, ClientGoneHook]] = []
+        # Per request, while its head is parsed
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.scope: dict[str, Any] = {}
+        self.expect_100_continue = False
+        self._upgrading = False  # a WebSocket upgrade, handed over once the parser stops
+        # The bounds
         self._head_open = True  # waiting for (the rest of) a head
         self._head_raw = 0  # its bytes on the wire so far, counted by read
         self._head_size = 0  # its URL, header names and values, as parsed
@@ -239,20 +214,89 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: str | None = None  # set when a bound broke or the connection is done
         self._bad_input = False  # input that does not parse, after a request to answer first
         self._phase = SILENT
-        self._since = self.loop.time()
+        self._since = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._stall: asyncio.TimerHandle | None = None  # armed only while writes are paused
-        self._arm(b.silent_timeout_s)
-        if len(self.connections) > b.max_connections:
+
+    # ---------------------------------------------------------------- the connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.connections.add(self)
+        self.transport = transport
+        self.flow = Flow(transport)
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        self.scheme = "https" if is_ssl(transport) else "http"
+        # Neither asyncio nor uvicorn sets it, and Nagle's algorithm would hold back a small
+        # SSE chunk until the previous one is acknowledged.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._since = self.loop.time()
+        self._arm(self._bounds.silent_timeout_s)
+        if len(self.connections) > self._bounds.max_connections:
             self._refuse("connection_cap")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.connections.discard(self)
+        cycle = self.cycle
+        if cycle is not None:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+            cycle.message_event.set()
+        self.flow.resume_writing()
+        if exc is None:
+            self.transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        for c, hook in self._hooks:
+            if not c.response_complete:
+                hook.fire()
+        self._hooks = []
+        self.pipeline.clear()  # never to run: their cycles would hold the connection
+        self.parser = None  # it holds this protocol's callbacks: a cycle of references
+
+    # asyncio's contract: returning True keeps the transport half-open.
+    def eof_received(self) -> bool | None:
+        if self._phase == LINGER:
+            self.transport.close()  # the client read its refusal and left
+        return None
+
+    def shutdown(self) -> None:
+        """The server's graceful shutdown: an idle connection closes now, a busy one after
+        its response."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            self.transport.close()
+        else:
+            cycle.keep_alive = False
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client is not keeping up.
+        Only now is a timer armed, so a client that reads costs nothing per chunk."""
+        self.flow.pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(
+                self._bounds.write_stall_timeout_s, self._write_stalled
+            )
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
 
     # ---------------------------------------------------------------- input
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return  # lingering after a refusal: input is dropped
-        self._unset_keepalive_if_required()
         if self._head_open:
             self._head_raw += len(data)
         try:
@@ -260,23 +304,23 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             self._phase = IDLE  # the connection is another protocol's from here
             if self._should_upgrade():
-                self.handle_websocket_upgrade()
+                self._upgrade()
             else:
-                self._unsupported_upgrade_warning()
+                uvicorn_log.warning("Unsupported upgrade request.")
             return
         except httptools.HttpParserError:
             self._parse_failed()
             return
         if self._head_open:
             if not self._head_raw:
-                self._phase = IDLE  # a request ended with this read; none begun after it
+                self._between()  # a request ended with this read; none begun after it
             elif self._head_raw > self._bounds.raw_head_cap:
                 self._refuse("header_bytes")
-            elif self._phase is not HEAD:
+            elif self._phase != HEAD:
                 self._phase = HEAD
                 self._since = self.loop.time()
                 self._arm(self._bounds.head_timeout_s)
-        elif self._phase is BODY:
+        elif self._phase == BODY:
             self._since = self.loop.time()  # progress; the timer, armed, looks when it fires
         else:
             self._phase = BODY
@@ -298,17 +342,24 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             return
         self._refuse("malformed")
 
-    # asyncio's contract: returning True keeps the transport half-open (uvicorn's own
-    # annotation says None, as it never does).
-    def eof_received(self) -> bool | None:  # type: ignore[override]
-        if self._phase is LINGER:
-            self.transport.close()  # the client read its refusal and left
-        return None
-
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        self.url = b""
+        self.expect_100_continue = False
+        self._upgrading = False
+        self.headers = []
+        self.scope = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
         self._head_size = 0
         self._head_count = 0
 
@@ -326,45 +377,147 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         if self._head_size > b.max_header_bytes or self._head_count > b.max_headers:
             self._refusal = head_refusal(self._head_size, self._head_count, b)
             raise HeadRefused
-        super().on_header(name, value)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._head_open = False
         self._head_raw = 0
-        super().on_headers_complete()
-        # The request's cycle exists now and its app task has not run yet (a pipelined one
-        # starts later). The extensions are advertised only when the cycle really is ours: a
-        # uvicorn that built its cycle another way gets plain ASGI from the relay, never a
-        # start whose body the server would drop.
+        parser = self.parser
+        scope = self.scope
+        http_version: str = parser.get_http_version()
+        method: str = parser.get_method().decode("ascii")
+        scope["method"] = method
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if parser.should_upgrade() and self._should_upgrade():
+            self._upgrading = True  # the parser stops here; ``data_received`` hands it over
+            return
+        parsed: Any = httptools.parse_url(self.url)
+        raw_path: bytes = parsed.path
+        query: bytes | None = parsed.query
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        root = self.root_path
+        scope["path"] = root + path if root else path
+        scope["raw_path"] = root.encode("ascii") + raw_path if root else raw_path
+        scope["query_string"] = b"" if query is None else query
+        app = self.app
+        cycle = Cycle(
+            self.transport,
+            self.flow,
+            method,
+            http_version != "1.0" and parser.should_keep_alive(),
+            self.expect_100_continue,
+            self.server_state.default_headers,
+            self.on_response_complete,
+        )
+        hook = ClientGoneHook()
+        scope["extensions"] = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: cycle}
+        # Every request of the connection not answered yet: with pipelining, the one running
+        # is no longer ``self.cycle`` (the last one parsed) when the client leaves.
+        hooks = self._hooks
+        if hooks:
+            hooks = [(c, h) for c, h in hooks if not c.response_complete]
+        hooks.append((cycle, hook))
+        self._hooks = hooks
+        previous = self.cycle
+        self.cycle = cycle
+        if previous is None or previous.response_complete:
+            self._run(cycle, app, scope, hook)
+        else:
+            # Pipelined: it waits for the one before it, and reading for both.
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app, scope, hook))
+
+    def on_body(self, body: bytes) -> None:
         cycle = self.cycle
-        if cycle is None or cycle.scope is not self.scope:
-            return  # an upgrade, or nothing new
-        if type(cycle) is RequestResponseCycle:
-            cycle.__class__ = CoalescingCycle
-        if type(cycle) is CoalescingCycle:
-            # Not awaited or set yet: the compiled event in its place (``MessageEvent``).
-            cycle.message_event = cast(asyncio.Event, MessageEvent())
-            hook = ClientGoneHook()
-            writer = cycle.direct_body = DirectBody(cycle)
-            ours = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: writer}
-            theirs = self.scope.get("extensions")
-            self.scope["extensions"] = cast(Any, {**theirs, **ours} if theirs else ours)
-            # Every request of the connection not answered yet: with pipelining, the one
-            # running is no longer ``self.cycle`` (the last one parsed) when the client leaves.
-            live = [(c, h) for c, h in self._hooks if not c.response_complete]
-            live.append((cycle, hook))
-            self._hooks = live
+        if cycle is None or cycle.response_complete or self._upgrading:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
         self._head_open = True
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or self._upgrading:
+            return
+        cycle.more_body = False
+        cycle.message_event.set()
+
+    def _run(self, cycle: Cycle, app: Any, scope: dict[str, Any], hook: ClientGoneHook) -> None:
+        coro = cycle.run_asgi(app, scope)
+        if self.fresh_context:
+            task = self.loop.create_task(coro, context=contextvars.Context())
+        else:
+            task = self.loop.create_task(coro)
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        hook.task = task
 
     def on_response_complete(self) -> None:
+        """A response's last byte is written: the next pipelined request starts, or the
+        connection waits for one, its keep-alive timed."""
+        self.server_state.total_requests += 1
         if self._bad_input and not self.pipeline and not self.transport.is_closing():
-            self.server_state.total_requests += 1
             self._refuse("malformed")  # every request before the bad bytes is answered
             return
-        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app, scope, hook = self.pipeline.pop()
+            self._run(cycle, app, scope, hook)
+        elif self._head_open and not self._head_raw:
+            self._between()
+
+    def _between(self) -> None:
+        """No request being read: once the last one is answered (and none is queued behind
+        it), the keep-alive is timed."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and not self.pipeline:
+            self._phase = KEPT
+            self._since = self.loop.time()
+            self._arm(self._bounds.keep_alive_s)
+        else:
+            self._phase = IDLE
+
+    # ---------------------------------------------------------------- WebSocket upgrade
+
+    def _should_upgrade(self) -> bool:
+        """A WebSocket upgrade, with a WebSocket protocol to hand the connection to."""
+        if self.config.ws_protocol_class is None:
+            return False
+        connection: list[bytes] = []
+        upgrade = None
+        for name, value in self.headers:
+            if name == b"connection":
+                connection = [token.lower().strip() for token in value.split(b",")]
+            elif name == b"upgrade":
+                upgrade = value.lower()
+        return b"upgrade" in connection and upgrade == b"websocket"
+
+    def _upgrade(self) -> None:
+        """The connection to uvicorn's WebSocket protocol, fed the request's head again."""
+        self.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        head = [self.scope["method"].encode(), b" ", self.url, b" HTTP/1.1\r\n"]
+        for name, value in self.headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n")
+        protocol = self.config.ws_protocol_class(
+            config=self.config, server_state=self.server_state, app_state=self.app_state
+        )
+        protocol.connection_made(self.transport)
+        protocol.data_received(b"".join(head))
+        self.transport.set_protocol(protocol)
 
     # ---------------------------------------------------------------- timer and refusals
 
@@ -419,23 +572,6 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         self._since = self.loop.time()
         self._arm(LINGER_S)
 
-    # ---------------------------------------------------------------- a client that stops reading
-
-    def pause_writing(self) -> None:
-        """The transport's buffer is over its high-water mark: the client is not keeping up.
-        Only now is a timer armed, so a client that reads costs nothing per chunk."""
-        super().pause_writing()
-        if self._stall is None:
-            self._stall = self.loop.call_later(
-                self._bounds.write_stall_timeout_s, self._write_stalled
-            )
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-
     def _write_stalled(self) -> None:
         """Nothing was read for the whole timeout: cut the connection. Its requests learn it
         through their ``CLIENT_GONE`` hooks (which cancel their upstreams), marked as cut."""
@@ -449,15 +585,5 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
                 hook.reason = f"client read nothing for {stall_s:g}s: response cut"
         self.transport.abort()  # unread bytes are dropped: connection_lost follows
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-        for cycle, hook in self._hooks:
-            if not cycle.response_complete:
-                hook.fire()
-        self._hooks = []
+
+__all__ = ["Edge", "EdgeOwner", "GatewayProtocol", "edge_for"]

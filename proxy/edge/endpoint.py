@@ -345,8 +345,11 @@ class RelayEndpoint:
                 gw.tracer.request_started(call)
             if key is not None:
                 guard.charge(key, call, policy.estimate.chars_per_token)
-            call.task = asyncio.current_task()
             hook = ext.get(CLIENT_GONE)
+            # The server names the request's task (asyncio's ``current_task`` is interpreted
+            # in Python 3.11); the app runs in it, as no middleware stands in between here.
+            task = hook.task if hook is not None else None
+            call.task = task if task is not None else asyncio.current_task()
             if hook is not None:
                 call.start_with_body = START_WITH_BODY in ext
                 call.body_writer = writer

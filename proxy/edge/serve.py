@@ -1,5 +1,6 @@
-"""Running the gateway process: uvicorn on uvloop and httptools (each connection served by
-``proxy.edge.connection``), with our signal handling and the drain before shutdown."""
+"""Running the gateway process: uvicorn's server on uvloop (each connection served by the
+gateway's own protocol, ``proxy.edge.connection``), with our signal handling and the drain
+before shutdown."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import uvicorn
 
 from proxy import compiled
 from proxy.config import Policy
-from proxy.edge.connection import NoDelayHttpToolsProtocol
+from proxy.edge.bounds import KEEP_ALIVE_S
+from proxy.edge.connection import GatewayProtocol
 from proxy.edge.routes import configure_logging
 from proxy.gateway import Gateway, create_app
 from proxy.workers import kept
@@ -43,12 +45,12 @@ def uvicorn_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
         host=host,
         port=port,
         loop="uvloop",
-        http=NoDelayHttpToolsProtocol,
+        http=GatewayProtocol,
         lifespan="on",
         access_log=False,  # the gateway writes its own JSON access log
         proxy_headers=False,  # one ASGI layer less per chunk; client IPs are the peers
         log_level="warning",
-        timeout_keep_alive=30,
+        timeout_keep_alive=KEEP_ALIVE_S,
         server_header=False,  # the answer is the replica's: no "server: uvicorn" added
         backlog=4096,
         **kw,
