@@ -170,7 +170,9 @@ def _cycle(method: str, keep_alive: bool) -> tuple[Cycle, Written, list[str]]:
 @pytest.mark.parametrize("with_body", [False, True], ids=["two messages", "START_WITH_BODY"])
 async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body: bool) -> None:
     """The server's ``send``, a start then a body (or the start carrying it), against uvicorn's
-    own cycle given the same: the same bytes and state, or an error where uvicorn raised one."""
+    own cycle given the same: the same bytes and state, or an error where uvicorn raised one
+    (a start that carries its body is then refused whole, nothing written; given as two
+    messages, a body that breaks its length is refused after its start went out)."""
     method, keep_alive, status, headers, body, more = case
     want = await uvicorns(method, keep_alive, status, headers, body, more)
     cycle, transport, told = _cycle(method, keep_alive)
@@ -186,6 +188,8 @@ async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body:
     if isinstance(want, type):
         with pytest.raises(RuntimeError):
             await send_both()
+        if with_body:
+            assert transport.data == b""  # refused whole: nothing of it written
         return
     await send_both()
     data, (chunked, length, alive, complete, closed) = want
@@ -206,3 +210,24 @@ def test_a_chunk_is_framed_at_every_size() -> None:
         for last in (False, True):
             assert b"".join(chunk_parts(data, last)) == (last_chunk if last else chunk)(data)
     assert last_chunk(b"") == b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("with_body", [False, True], ids=["two messages", "START_WITH_BODY"])
+async def test_bodies_and_headers_as_apps_give_them_are_written_as_bytes(with_body: bool) -> None:
+    """What ASGI apps send besides bytes and tuples, and uvicorn takes: a ``memoryview`` or
+    ``bytearray`` body (Starlette's ``StreamingResponse`` passes memoryviews on) and header
+    pairs as lists; written as the same bytes (the compiled build checks types strictly)."""
+    cycle, transport, told = _cycle("GET", True)
+    start: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": [[b"x-a", b"1"]]}
+    if with_body:
+        start |= {START_BODY: memoryview(b"ab"), START_MORE_BODY: True}
+        await cycle.send(start)
+    else:
+        await cycle.send(start)
+        await cycle.send({"type": "http.response.body", "body": memoryview(b"ab"), "more_body": True})
+    await cycle.send({"type": "http.response.body", "body": bytearray(b"c"), "more_body": False})
+    assert transport.data == (
+        b"HTTP/1.1 200 OK\r\ndate: Fri, 27 Nov 2026 21:13:43 GMT\r\nserver: uvicorn\r\n"
+        b"x-a: 1\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n1\r\nc\r\n0\r\n\r\n"
+    )
+    assert told == ["complete"]

@@ -440,23 +440,81 @@ async def test_client_closing_while_the_app_waits_fires_the_callback_once(
 
 async def test_a_kept_connection_closes_after_its_keep_alive_and_not_before() -> None:
     """Between requests the connection's one timer times the keep-alive (no timer made per
-    request): a request soon after the last answer is served on the same connection; once the
-    keep-alive has passed with nothing sent, the server closes it."""
+    request), from each answer: a request sent well into the keep-alive after the last answer
+    is served on the same connection, and so is one whose app takes longer than the
+    keep-alive; once the keep-alive has passed with nothing sent, the server closes it."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)  # longer than the keep-alive: in progress, not idle
         await send_start_with_body(scope, send, [], scope["path"].encode(), more_body=False)
 
     async with serve_app(asgi(app), http=GatewayProtocol, timeout_keep_alive=1) as url:
         async with asyncio.timeout(60), connect(url) as (reader, writer):
             writer.write(get("/a"))
             first = await read_response(reader)
+            await asyncio.sleep(0.7)  # idle, well into the keep-alive (the scenario, not a wait)
             writer.write(get("/b"))
             second = await read_response(reader)
+            await asyncio.sleep(0.7)  # again: 1.4 s after the first answer, 0.7 after this one
+            writer.write(get("/slow"))
+            third = await read_response(reader)
             answered = time.monotonic()
             assert await reader.read() == b""  # the server closed it
             waited = time.monotonic() - answered
-    assert (first.body, second.body) == (b"/a", b"/b")
+    assert (first.body, second.body, third.body) == (b"/a", b"/b", b"/slow")
     assert waited >= 0.9  # not before the keep-alive (a lower bound only: the box may be slow)
+
+
+async def test_a_slow_answer_then_bad_bytes_on_a_kept_connection_is_answered_then_400() -> None:
+    """A request followed by bytes that do not parse, in the same read, on a connection kept
+    alive: the request is answered first, even when it takes longer than the keep-alive
+    (the connection's timer stands down while it runs), then the 400."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)
+        await send_start_with_body(scope, send, [], scope["path"].encode(), more_body=False)
+
+    async with serve_app(asgi(app), http=GatewayProtocol, timeout_keep_alive=1) as url:
+        async with asyncio.timeout(60), connect(url) as (reader, writer):
+            writer.write(get("/a"))
+            first = await read_response(reader)
+            writer.write(get("/slow") + b"\x00\x01garbage\r\n\r\n")
+            slow = await read_response(reader)
+            rest = await reader.read()
+    assert (first.body, slow.body) == (b"/a", b"/slow")
+    assert rest.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_a_plain_app_hears_the_disconnect_with_a_request_pipelined_behind() -> None:
+    """An app that waits on ``receive()`` for the client to leave (plain ASGI, no hook), with
+    a second request pipelined behind it: the running one gets ``http.disconnect`` when the
+    client closes (its cycle, not only the last one parsed, is told), and the queued one
+    never runs."""
+    started: list[str] = []
+    heard: list[str] = []
+    running = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        started.append(scope["path"])
+        await send_start_with_body(scope, send, [], b"data: hi\n\n", more_body=True)
+        running.set()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                heard.append(scope["path"])
+                return
+
+    async with serve_app(asgi(app), http=GatewayProtocol) as url:
+        async with asyncio.timeout(30):
+            reader, writer = await asyncio.open_connection(*address(url))
+            writer.write(get("/running") + get("/queued"))
+            await running.wait()
+            await reader.readuntil(b"data: hi\n\n")
+            writer.close()
+            await wait_until(lambda: bool(heard), what="the running request heard it")
+    assert heard == ["/running"] and started == ["/running"]
 
 
 async def test_client_closing_after_a_complete_response_fires_no_callback() -> None:

@@ -241,10 +241,9 @@ class GatewayProtocol:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
+        self._disconnect_all()
         cycle = self.cycle
         if cycle is not None:
-            if not cycle.response_complete:
-                cycle.disconnected = True
             cycle.message_event.set()
         self.flow.resume_writing()
         if exc is None:
@@ -259,8 +258,19 @@ class GatewayProtocol:
             if not c.response_complete:
                 hook.fire()
         self._hooks = []
-        self.pipeline.clear()  # never to run: their cycles would hold the connection
+        for queued in self.pipeline:
+            queued[0].on_response = None  # never to run: it would hold the connection
+        self.pipeline.clear()
         self.parser = None  # it holds this protocol's callbacks: a cycle of references
+
+    def _disconnect_all(self) -> None:
+        """Every request of the connection not answered yet is told the client is gone (with
+        pipelining, the one running is not ``self.cycle``, the last one parsed): its
+        ``receive`` returns ``http.disconnect``, its writes stop."""
+        for c, _ in self._hooks:
+            if not c.response_complete:
+                c.disconnected = True
+                c.message_event.set()
 
     # asyncio's contract: returning True keeps the transport half-open.
     def eof_received(self) -> bool | None:
@@ -339,6 +349,7 @@ class GatewayProtocol:
             # reading; the 400 follows its response (``on_response_complete``).
             self._bad_input = True
             self.flow.pause_reading()
+            self._phase = IDLE  # the request is in progress: nothing for the timer to time
             return
         self._refuse("malformed")
 
@@ -464,6 +475,8 @@ class GatewayProtocol:
         """A response's last byte is written: the next pipelined request starts, or the
         connection waits for one, its keep-alive timed."""
         self.server_state.total_requests += 1
+        if self._refusal is not None:
+            return  # refused meanwhile: lingering, then closed
         if self._bad_input and not self.pipeline and not self.transport.is_closing():
             self._refuse("malformed")  # every request before the bad bytes is answered
             return
@@ -518,6 +531,7 @@ class GatewayProtocol:
         protocol.connection_made(self.transport)
         protocol.data_received(b"".join(head))
         self.transport.set_protocol(protocol)
+        self.parser = None  # it holds this protocol's callbacks, and parses no more
 
     # ---------------------------------------------------------------- timer and refusals
 
@@ -551,11 +565,7 @@ class GatewayProtocol:
         nothing was sent, else after a linger in which input is read and dropped."""
         self._refusal = reason
         self._edge.refused(reason, self.client)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            # The application gets its disconnect now and writes nothing more.
-            cycle.disconnected = True
-            cycle.message_event.set()
+        self._disconnect_all()  # the applications get their disconnect now, and write no more
         answer = refusal_answer(reason, self._bounds)
         transport = self.transport
         if not answer:

@@ -175,7 +175,11 @@ class Cycle:
     # ---------------------------------------------------------------- ASGI
 
     async def receive(self) -> Mapping[str, Any]:
-        if self.waiting_for_100_continue and not self.transport.is_closing():
+        if (
+            self.waiting_for_100_continue
+            and not self.disconnected
+            and not self.transport.is_closing()
+        ):
             self.transport.write(_CONTINUE)
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
@@ -201,7 +205,10 @@ class Cycle:
         elif not self.response_complete:
             if kind != "http.response.body":
                 raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{kind}'.")
-            self._body(message.get("body", b""), bool(message.get("more_body", False)))
+            body = message.get("body", b"")
+            if type(body) is not bytes:
+                body = bytes(body)  # a memoryview or bytearray (Starlette streams memoryviews)
+            self._body(body, bool(message.get("more_body", False)))
         else:
             raise RuntimeError(
                 f"Unexpected ASGI message '{kind}' sent, after response already completed."
@@ -211,6 +218,8 @@ class Cycle:
         """A response start, with its first body when it carries one (``START_WITH_BODY``),
         written in one vectored write."""
         body = message.get(START_BODY)
+        if body is not None and type(body) is not bytes:
+            body = bytes(body)
         start = response_start(
             message["status"],
             message.get("headers", ()),

@@ -360,6 +360,7 @@ class RelayEndpoint:
                 await gw.relay.run(call, send)
             finally:
                 call.finished = True
+                call.body_writer = None  # the cycle (and its connection) not held by the record
         except GatewayError as err:
             if call is not None:
                 call.status = err.status

@@ -12,7 +12,7 @@ the bytes and state to uvicorn's own, and ``InvalidResponse`` to where uvicorn r
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
@@ -76,7 +76,7 @@ class Start:
 
 def response_start(
     status: int,
-    headers: Iterable[tuple[bytes, bytes]],
+    headers: Iterable[Any],
     default_headers: list[tuple[bytes, bytes]],
     method: str,
     chunked: bool | None,
@@ -91,7 +91,8 @@ def response_start(
     line = STATUS_LINE.get(status)
     if line is None:
         raise InvalidResponse(f"Invalid HTTP status code {status!r}.")
-    every = [*default_headers, *headers]
+    # Pairs as an app gives them: tuples, or lists (uvicorn takes both), of bytes.
+    every: list[Any] = [*default_headers, *headers]
     # uvicorn searches each name and each value with an expression that is one character
     # class: a byte it refuses is left when every byte it takes is deleted, over all the
     # names (values) joined (sre scans ~10 ns a byte; ``translate`` ~1).
@@ -99,10 +100,11 @@ def response_start(
         raise InvalidResponse("Invalid HTTP header name.")
     if b"".join([value for _, value in every]).translate(None, _VALUE_BYTES):
         raise InvalidResponse("Invalid HTTP header value.")
-    parts = [line]
+    parts: list[Any] = [line]
     closing = False
-    for name, value in every:
-        name = name.lower()
+    for pair in every:
+        value: Any = pair[1]
+        name: Any = pair[0].lower()
         if name == b"content-length" and chunked is None:
             try:
                 length = int(value.decode())
