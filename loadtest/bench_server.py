@@ -30,11 +30,14 @@ from .bench_overhead import burst_run
 from .procs import free_port, process, wait_port
 
 MODES = ("uvicorn", "tokenlane", "bare")
-EVENTS = b"".join(
-    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
-    b'"choices":[{"index":0,"delta":{"content":"tok%d"},"finish_reason":null}]}\n\n' % i
-    for i in range(64)
-) + b"data: [DONE]\n\n"
+EVENTS = (
+    b"".join(
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"tok%d"},"finish_reason":null}]}\n\n' % i
+        for i in range(64)
+    )
+    + b"data: [DONE]\n\n"
+)
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
@@ -52,8 +55,7 @@ class _Bare(asyncio.Protocol):
 
     ANSWER = (
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
-        + b"%x\r\n%b\r\n0\r\n\r\n" % (len(EVENTS), EVENTS)
+        b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%b\r\n0\r\n\r\n" % (len(EVENTS), EVENTS)
     )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

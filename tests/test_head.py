@@ -218,13 +218,19 @@ async def test_bodies_and_headers_as_apps_give_them_are_written_as_bytes(with_bo
     ``bytearray`` body (Starlette's ``StreamingResponse`` passes memoryviews on) and header
     pairs as lists; written as the same bytes (the compiled build checks types strictly)."""
     cycle, transport, told = _cycle("GET", True)
-    start: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": [[b"x-a", b"1"]]}
+    start: dict[str, Any] = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [[b"x-a", b"1"]],
+    }
     if with_body:
         start |= {START_BODY: memoryview(b"ab"), START_MORE_BODY: True}
         await cycle.send(start)
     else:
         await cycle.send(start)
-        await cycle.send({"type": "http.response.body", "body": memoryview(b"ab"), "more_body": True})
+        await cycle.send(
+            {"type": "http.response.body", "body": memoryview(b"ab"), "more_body": True}
+        )
     await cycle.send({"type": "http.response.body", "body": bytearray(b"c"), "more_body": False})
     assert transport.data == (
         b"HTTP/1.1 200 OK\r\ndate: Fri, 27 Nov 2026 21:13:43 GMT\r\nserver: uvicorn\r\n"

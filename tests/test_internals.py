@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -352,8 +351,7 @@ INTERNALS = [
         "a WebSocket protocol class made as (config=, server_state=, app_state=), then "
         "connection_made(transport) and data_received(the request's head); protocols.utils "
         "get_local_addr, get_remote_addr, is_ssl",
-        "proxy/edge/connection.py GatewayProtocol: an upgrade handed over, the scope's "
-        "addresses",
+        "proxy/edge/connection.py GatewayProtocol: an upgrade handed over, the scope's addresses",
         _websocket_handover,
     ),
     Internal(

@@ -32,8 +32,8 @@ from proxy.edge.asgi_ext import (
     ClientGoneHook,
 )
 from proxy.edge.connection import GatewayProtocol
-from proxy.edge.endpoint import request_id_from
 from proxy.edge.cycle import Cycle, MessageEvent
+from proxy.edge.endpoint import request_id_from
 from proxy.gateway import create_app
 from proxy.policyfile import build_policy
 
@@ -116,7 +116,9 @@ class _Recording(asyncio.Protocol):
         self.recorder = recorder
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(_RecordingTransport(cast(asyncio.Transport, transport), self.recorder))
+        self.inner.connection_made(
+            _RecordingTransport(cast(asyncio.Transport, transport), self.recorder)
+        )
 
     def data_received(self, data: bytes) -> None:
         self.inner.data_received(data)

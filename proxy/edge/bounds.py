@@ -30,7 +30,7 @@ REFUSAL_REASONS: Final = (
 LINGER_S: Final = 2.0
 # How long a kept-alive connection may wait for its next request (uvicorn's
 # ``timeout_keep_alive``, which ``serve`` sets to this; uvicorn's own default is 5 s).
-KEEP_ALIVE_S: Final = 30.0
+KEEP_ALIVE_S: Final = 30
 # A head's framing beyond what is counted: ": " and CRLF per header line, and the request
 # line's method, spaces and version.
 _FRAMING_PER_LINE: Final = 4

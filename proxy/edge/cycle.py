@@ -165,9 +165,7 @@ class Cycle:
             self.on_response = None
 
     async def send_500_response(self) -> None:
-        await self.send(
-            {"type": "http.response.start", "status": 500, "headers": _500_HEADERS}
-        )
+        await self.send({"type": "http.response.start", "status": 500, "headers": _500_HEADERS})
         await self.send(
             {"type": "http.response.body", "body": b"Internal Server Error", "more_body": False}
         )
@@ -200,7 +198,9 @@ class Cycle:
         kind = message["type"]
         if not self.response_started:
             if kind != "http.response.start":
-                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{kind}'.")
+                raise RuntimeError(
+                    f"Expected ASGI message 'http.response.start', but got '{kind}'."
+                )
             self._start(message)
         elif not self.response_complete:
             if kind != "http.response.body":

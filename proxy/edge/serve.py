@@ -45,7 +45,9 @@ def uvicorn_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
         host=host,
         port=port,
         loop="uvloop",
-        http=GatewayProtocol,
+        # uvicorn types its protocol class as an ``asyncio.Protocol``; the compiled one has the
+        # interface without the base (a native class cannot subclass an interpreted one).
+        http=cast("type[asyncio.Protocol]", GatewayProtocol),
         lifespan="on",
         access_log=False,  # the gateway writes its own JSON access log
         proxy_headers=False,  # one ASGI layer less per chunk; client IPs are the peers
