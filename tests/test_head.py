@@ -14,7 +14,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
 from proxy.edge.cycle import Cycle, Flow
-from proxy.edge.head import chunk, chunk_parts, last_chunk, response_start
+from proxy.edge.head import response_start, write_chunk
 from proxy.errors import InvalidResponse
 
 DEFAULT = [(b"date", b"Fri, 27 Nov 2026 21:13:43 GMT"), (b"server", b"uvicorn")]
@@ -202,14 +202,19 @@ async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body:
 
 def test_a_chunk_is_framed_at_every_size() -> None:
     """A chunk of a chunked body: its size in hex, CRLF, the bytes, CRLF (as uvicorn frames
-    one), for sizes from the table of size lines and past it; the last one ends the body."""
-    for size in (1, 15, 16, 255, 2047, 2048, 4096, 70000):
+    one), for sizes from the table of size lines and past it, written whole or as parts (from
+    4 KiB); the last one ends the body."""
+
+    def written(data: bytes, last: bool) -> bytes:
+        transport = Written()
+        write_chunk(cast(asyncio.WriteTransport, transport), data, last)
+        return transport.data
+
+    for size in (1, 15, 16, 255, 2047, 2048, 4095, 4096, 70000):
         data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-        assert chunk(data) == b"%x\r\n%b\r\n" % (size, data), size
-        assert last_chunk(data) == b"%x\r\n%b\r\n0\r\n\r\n" % (size, data), size
-        for last in (False, True):
-            assert b"".join(chunk_parts(data, last)) == (last_chunk if last else chunk)(data)
-    assert last_chunk(b"") == b"0\r\n\r\n"
+        assert written(data, False) == b"%x\r\n%b\r\n" % (size, data), size
+        assert written(data, True) == b"%x\r\n%b\r\n0\r\n\r\n" % (size, data), size
+    assert written(b"", True) == b"0\r\n\r\n"
 
 
 @pytest.mark.parametrize("with_body", [False, True], ids=["two messages", "START_WITH_BODY"])

@@ -410,6 +410,19 @@ class Waiting:
             await asyncio.wait_for(self.wake.wait(), 10)
 
 
+async def leave_with_one_pipelined(url: str, started: asyncio.Event, *, reset: bool) -> None:
+    """A client that sends ``/running`` with ``/queued`` pipelined behind it, reads the first
+    one's opening chunk (``data: hi``, once the app set ``started``), and leaves (with a
+    reset, ``reset``)."""
+    reader, writer = await asyncio.open_connection(*address(url))
+    writer.write(get("/running") + get("/queued"))
+    await started.wait()
+    await reader.readuntil(b"data: hi\n\n")
+    if reset:
+        reset_on_close(writer)
+    writer.close()
+
+
 def reset_on_close(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -510,11 +523,7 @@ async def test_a_plain_app_hears_the_disconnect_with_a_request_pipelined_behind(
 
     async with serve_app(asgi(app), http=GatewayProtocol) as url:
         async with asyncio.timeout(30):
-            reader, writer = await asyncio.open_connection(*address(url))
-            writer.write(get("/running") + get("/queued"))
-            await running.wait()
-            await reader.readuntil(b"data: hi\n\n")
-            writer.close()
+            await leave_with_one_pipelined(url, running, reset=False)
             await wait_until(lambda: bool(heard), what="the running request heard it")
     assert heard == ["/running"] and started == ["/running"]
 
@@ -593,12 +602,7 @@ async def test_the_running_request_hears_of_the_client_leaving_with_another_pipe
 
     async with serve_app(asgi(app), http=GatewayProtocol) as url:
         async with asyncio.timeout(30):
-            reader, writer = await asyncio.open_connection(*address(url))
-            writer.write(get("/running") + get("/queued"))
-            await waiting.wait()
-            await reader.readuntil(b"data: hi\n\n")
-            reset_on_close(writer)
-            writer.close()
+            await leave_with_one_pipelined(url, waiting, reset=True)
             closed_at = time.monotonic()
             await wait_until(lambda: bool(fired), what="bool(fired)")
             assert time.monotonic() - closed_at < 5.0  # the stream would run 10 s

@@ -197,7 +197,7 @@ class GatewayProtocol:
         self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
-        self.pipeline: deque[tuple[Cycle, Any, dict[str, Any], ClientGoneHook]] = deque()
+        self.pipeline: deque[tuple[Cycle, dict[str, Any], ClientGoneHook]] = deque()
         self.cycle: Cycle | None = None
         self._hooks: list[tuple[Cycle, ClientGoneHook]] = []
         # Per request, while its head is parsed
@@ -241,10 +241,7 @@ class GatewayProtocol:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
-        self._disconnect_all()
-        cycle = self.cycle
-        if cycle is not None:
-            cycle.message_event.set()
+        self._disconnect_all(fire=True)
         self.flow.resume_writing()
         if exc is None:
             self.transport.close()
@@ -254,23 +251,23 @@ class GatewayProtocol:
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
-        for c, hook in self._hooks:
-            if not c.response_complete:
-                hook.fire()
         self._hooks = []
         for queued in self.pipeline:
             queued[0].on_response = None  # never to run: it would hold the connection
         self.pipeline.clear()
         self.parser = None  # it holds this protocol's callbacks: a cycle of references
 
-    def _disconnect_all(self) -> None:
+    def _disconnect_all(self, *, fire: bool) -> None:
         """Every request of the connection not answered yet is told the client is gone (with
         pipelining, the one running is not ``self.cycle``, the last one parsed): its
-        ``receive`` returns ``http.disconnect``, its writes stop."""
-        for c, _ in self._hooks:
+        ``receive`` returns ``http.disconnect``, its writes stop; ``fire``: its ``CLIENT_GONE``
+        hook too (the connection is lost; a refusal's loss follows it)."""
+        for c, hook in self._hooks:
             if not c.response_complete:
                 c.disconnected = True
                 c.message_event.set()
+                if fire:
+                    hook.fire()
 
     # asyncio's contract: returning True keeps the transport half-open.
     def eof_received(self) -> bool | None:
@@ -416,7 +413,6 @@ class GatewayProtocol:
         scope["path"] = root + path if root else path
         scope["raw_path"] = root.encode("ascii") + raw_path if root else raw_path
         scope["query_string"] = b"" if query is None else query
-        app = self.app
         cycle = Cycle(
             self.transport,
             self.flow,
@@ -428,21 +424,19 @@ class GatewayProtocol:
         )
         hook = ClientGoneHook()
         scope["extensions"] = {START_WITH_BODY: _NO_OPTIONS, CLIENT_GONE: hook, DIRECT_BODY: cycle}
-        # Every request of the connection not answered yet: with pipelining, the one running
-        # is no longer ``self.cycle`` (the last one parsed) when the client leaves.
-        hooks = self._hooks
-        if hooks:
-            hooks = [(c, h) for c, h in hooks if not c.response_complete]
-        hooks.append((cycle, hook))
-        self._hooks = hooks
         previous = self.cycle
         self.cycle = cycle
         if previous is None or previous.response_complete:
-            self._run(cycle, app, scope, hook)
+            # Answered in order: with the last one parsed answered, so is every one before it.
+            self._hooks = [(cycle, hook)]
+            self._run(cycle, scope, hook)
         else:
-            # Pipelined: it waits for the one before it, and reading for both.
+            # Pipelined: it waits for the one before it, and reading for both. Every request
+            # not answered yet is kept with its hook: with pipelining, the one running is no
+            # longer ``self.cycle`` (the last one parsed) when the client leaves.
+            self._hooks.append((cycle, hook))
             self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, app, scope, hook))
+            self.pipeline.appendleft((cycle, scope, hook))
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
@@ -461,8 +455,8 @@ class GatewayProtocol:
         cycle.more_body = False
         cycle.message_event.set()
 
-    def _run(self, cycle: Cycle, app: Any, scope: dict[str, Any], hook: ClientGoneHook) -> None:
-        coro = cycle.run_asgi(app, scope)
+    def _run(self, cycle: Cycle, scope: dict[str, Any], hook: ClientGoneHook) -> None:
+        coro = cycle.run_asgi(self.app, scope)
         if self.fresh_context:
             task = self.loop.create_task(coro, context=contextvars.Context())
         else:
@@ -475,17 +469,14 @@ class GatewayProtocol:
         """A response's last byte is written: the next pipelined request starts, or the
         connection waits for one, its keep-alive timed."""
         self.server_state.total_requests += 1
-        if self._refusal is not None:
-            return  # refused meanwhile: lingering, then closed
-        if self._bad_input and not self.pipeline and not self.transport.is_closing():
+        if self._refusal is not None or self.transport.is_closing():
+            return  # refused meanwhile (lingering, then closed), or closing
+        if self._bad_input and not self.pipeline:
             self._refuse("malformed")  # every request before the bad bytes is answered
-            return
-        if self.transport.is_closing():
             return
         self.flow.resume_reading()
         if self.pipeline:
-            cycle, app, scope, hook = self.pipeline.pop()
-            self._run(cycle, app, scope, hook)
+            self._run(*self.pipeline.pop())
         elif self._head_open and not self._head_raw:
             self._between()
 
@@ -565,7 +556,7 @@ class GatewayProtocol:
         nothing was sent, else after a linger in which input is read and dropped."""
         self._refusal = reason
         self._edge.refused(reason, self.client)
-        self._disconnect_all()  # the applications get their disconnect now, and write no more
+        self._disconnect_all(fire=False)  # the apps get their disconnect now, and write no more
         answer = refusal_answer(reason, self._bounds)
         transport = self.transport
         if not answer:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
-from proxy.edge.head import WHOLE_BELOW, chunk, chunk_parts, last_chunk, response_start
+from proxy.edge.head import response_start, write_chunk
 
 log: Final = logging.getLogger("uvicorn.error")  # where uvicorn said it, for the same readers
 # A request body buffered past this pauses reading until the app takes it.
@@ -245,7 +245,7 @@ class Cycle:
             self.expected_content_length = 0
         elif self.chunked_encoding:
             if body or not more_body:
-                self._write_chunk(body, not more_body)
+                write_chunk(self.transport, body, not more_body)
         else:
             if len(body) > self.expected_content_length:
                 raise RuntimeError("Response content longer than Content-Length")
@@ -256,14 +256,6 @@ class Cycle:
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self._complete()
-
-    def _write_chunk(self, data: bytes, last: bool) -> None:
-        """``data`` as a chunk (``last``: and the body's end; ``data`` may then be empty): one
-        write of a copy when small, of its parts when large (no copy of the bytes)."""
-        if len(data) < WHOLE_BELOW:
-            self.transport.write(last_chunk(data) if last else chunk(data))
-        else:
-            self.transport.writelines(chunk_parts(data, last))
 
     def _complete(self) -> None:
         """The response's last bytes are written: the connection closes if it is not kept,
@@ -322,7 +314,7 @@ class Cycle:
         # A client gone already is skipped as ``send`` skips it (its relay is being cancelled).
         if self.disconnected:
             return True
-        self._write_chunk(data, False)
+        write_chunk(self.transport, data, False)
         return not self.flow.write_paused
 
     def end(self, data: bytes) -> bool:
@@ -335,7 +327,7 @@ class Cycle:
             return True
         if self.flow.write_paused:
             return False
-        self._write_chunk(data, True)
+        write_chunk(self.transport, data, True)
         self._complete()
         return True
 

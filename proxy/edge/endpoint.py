@@ -346,15 +346,15 @@ class RelayEndpoint:
             if key is not None:
                 guard.charge(key, call, policy.estimate.chars_per_token)
             hook = ext.get(CLIENT_GONE)
-            # The server names the request's task (asyncio's ``current_task`` is interpreted
-            # in Python 3.11); the app runs in it, as no middleware stands in between here.
-            task = hook.task if hook is not None else None
-            call.task = task if task is not None else asyncio.current_task()
             if hook is not None:
+                # The server names the request's task (asyncio's ``current_task`` is
+                # interpreted in Python 3.11); the app runs in it, no middleware between here.
+                call.task = hook.task
                 call.start_with_body = START_WITH_BODY in ext
                 call.body_writer = writer
                 hook.callback = functools.partial(_client_gone, call, hook)
             else:
+                call.task = asyncio.current_task()
                 listener = asyncio.create_task(_listen_for_disconnect(receive, call))
             try:
                 await gw.relay.run(call, send)

@@ -11,6 +11,7 @@ the bytes and state to uvicorn's own, and ``InvalidResponse`` to where uvicorn r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -36,22 +37,21 @@ def _size_line(n: int) -> bytes:
 
 # From this size a chunk is written as its three parts (one vectored write) rather than
 # copied into one: a burst's whole answer (64 events, 16 KB) was copied twice by the framing.
-WHOLE_BELOW: Final = 4096
+_WHOLE_BELOW: Final = 4096
 
 
-def chunk(data: bytes) -> bytes:
-    """``data`` framed as one chunk of a chunked body (``data`` not empty)."""
-    return _size_line(len(data)) + data + _CRLF
-
-
-def last_chunk(data: bytes) -> bytes:
-    """``data`` (maybe empty) framed as a chunked body's last chunk and its end."""
-    return _size_line(len(data)) + data + _CRLF + _LAST_CHUNK if data else _LAST_CHUNK
-
-
-def chunk_parts(data: bytes, last: bool) -> list[bytes]:
-    """``chunk`` or ``last_chunk`` of ``data`` (not empty) as parts, for a vectored write."""
-    return [_size_line(len(data)), data, _CRLF + _LAST_CHUNK if last else _CRLF]
+def write_chunk(transport: asyncio.WriteTransport, data: bytes, last: bool) -> None:
+    """``data`` written as one chunk of a chunked body (``last``: and the body's end; ``data``
+    may then be empty): a small one in one copy, a large one as its parts."""
+    n = len(data)
+    if n >= _WHOLE_BELOW:
+        transport.writelines([_size_line(n), data, _CRLF + _LAST_CHUNK if last else _CRLF])
+    elif not last:
+        transport.write(_size_line(n) + data + _CRLF)
+    elif data:
+        transport.write(_size_line(n) + data + _CRLF + _LAST_CHUNK)
+    else:
+        transport.write(_LAST_CHUNK)
 
 
 class Start:
@@ -143,4 +143,4 @@ def response_start(
     return Start(parts, chunked, length, keep_alive, not more_body)
 
 
-__all__ = ["WHOLE_BELOW", "Start", "chunk", "chunk_parts", "last_chunk", "response_start"]
+__all__ = ["Start", "response_start", "write_chunk"]
