@@ -37,15 +37,19 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
+    "proxy.edge.asgi_ext",
     "proxy.edge.bounds",
     "proxy.edge.connection",
     "proxy.edge.cycle",
     "proxy.edge.endpoint",
     "proxy.edge.head",
     "proxy.edge.validate",
+    "proxy.fleet.detect",
+    "proxy.fleet.fleet",
     "proxy.fleet.replica",
     "proxy.observe.accessline",
     "proxy.observe.gaps",
+    "proxy.observe.metrics",
     "proxy.observe.outcomes",
     "proxy.observe.record",
     "proxy.relay.call",
@@ -68,8 +72,10 @@ MODULES = (
     "proxy.routing.profile",
 )
 # Written in C, built beside them and used only with them: the scan every token of an
-# eligible stream goes through (``continuation.scan_events`` is its contract, in Python).
-NATIVE = ("proxy.relay._tokenscan",)
+# eligible stream goes through (``continuation.scan_events`` is its contract, in Python), and
+# ``bytes.find``/``rfind`` as plain functions (``sse.FIND``: a compiled method call by name
+# costs several times the search).
+NATIVE = ("proxy.relay._bytesearch", "proxy.relay._tokenscan")
 BUILT = (*MODULES, *NATIVE)  # what a build holds, each with its source's digest
 # mypyc's shared library of the group: the modules' code, imported by each of them by name.
 GROUP = "tokenlane_hotpath"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -137,7 +138,9 @@ class Gateway:
             admission=self.admission,
             fleet=self.fleet,
             metrics=self.metrics,
-            policy=lambda: self.policy,
+            # The policy in force, read on every request: a C-level getter, not a lambda (an
+            # interpreted frame, twice a request).
+            policy=functools.partial(getattr, self, "policy"),
             tracer=self.tracer,
             homes=ResponseHomes(shared=self.shared),
             share_placement=self.shared.share_placement,

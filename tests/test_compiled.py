@@ -137,7 +137,19 @@ def test_a_build_for_other_modules_is_not_used(tmp_path: Path) -> None:
 
 
 # Module-level names that are types (aliases, a type variable): read in annotations, not by code.
-_TYPE_NAMES = {"IPNetwork", "C", "Kind", "TryPick", "AnyServing", "Scanned", "Record", "Handler"}
+_TYPE_NAMES = {
+    "IPNetwork",
+    "C",
+    "Kind",
+    "TryPick",
+    "AnyServing",
+    "Scanned",
+    "Record",
+    "Handler",
+    "W",
+    "Search",
+    "LabelSets",
+}
 
 
 def _top_level_values(tree: ast.Module) -> set[str]:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 # A response start may carry its first body (``START_BODY``, ``START_MORE_BODY``): both leave
 # in one socket write instead of two, one TCP segment before the client sees content.
-START_WITH_BODY = "tokenlane.start_with_body"
-START_BODY = "tokenlane.body"
-START_MORE_BODY = "tokenlane.more_body"
+START_WITH_BODY: Final = "tokenlane.start_with_body"
+START_BODY: Final = "tokenlane.body"
+START_MORE_BODY: Final = "tokenlane.more_body"
 
 # The server calls back when the client's connection is lost before the response is complete,
 # so a relay needs no task of its own waiting on ``receive()`` for ``http.disconnect``.
-CLIENT_GONE = "tokenlane.client_gone"
+CLIENT_GONE: Final = "tokenlane.client_gone"
 
 
 # The server writes a started response's further body chunks when asked directly, not as ASGI
@@ -28,7 +28,7 @@ CLIENT_GONE = "tokenlane.client_gone"
 # woken per chunk (``relay/h1.py`` says what that saves). The value is the ``BodyWriter``,
 # which also hands over a request body that is all in without a ``receive`` (an interpreted
 # coroutine and its message dict, on the way to the replica).
-DIRECT_BODY = "tokenlane.direct_body"
+DIRECT_BODY: Final = "tokenlane.direct_body"
 
 
 class BodyWriter(Protocol):

@@ -50,13 +50,13 @@ class ClientKeys:
             (hashlib.sha256(k.encode()).digest(), key_id(k)) for k in dict.fromkeys(keys) if k
         ]
 
+        # An attribute, not a property: read on every request from compiled code, where a
+        # property of this interpreted class is a Python call. The keys never change.
+        self.enabled = bool(self._digests)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str], var: str) -> ClientKeys:
         return cls(k.strip() for k in environ.get(var, "").split(","))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -108,10 +108,7 @@ class Guard:
         self.keys = keys
         self.limiter = limiter
         self.metrics = metrics
-
-    @property
-    def enabled(self) -> bool:
-        return self.keys.enabled
+        self.enabled = keys.enabled  # read on every request (``ClientKeys.enabled``)
 
     def authenticate(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
         """The client's key id (None when auth is off); raises ``Unauthorized``."""

@@ -295,8 +295,10 @@ class RelayEndpoint:
                 if k == b"x-request-id":
                     rid = v
                 elif k == b"content-length":
-                    with contextlib.suppress(ValueError):
+                    try:  # not contextlib.suppress: an interpreted context manager per request
                         content_length = int(v)
+                    except ValueError:
+                        pass
                 elif k == b"connection":
                     connection = v if connection is None else connection + b"," + v
                 elif k == b"x-forwarded-for":

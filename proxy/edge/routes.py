@@ -184,7 +184,18 @@ class GatewayApp:
         # header, an open redirect before authentication. An unknown path is a plain 404.
         self.starlette.router.redirect_slashes = False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """ASGI 3 (the server is told so: ``serve.uvicorn_config``), but not a coroutine
+        function: a relayed path's handler is called here and its coroutine returned, for the
+        server to await with nothing of this module between. As a coroutine, this and
+        ``_dispatch`` were two interpreted frames resumed every time the request's task was."""
+        if scope["type"] == "http" and not self.gateway.policy.server.cors_allowed_origins:
+            handler = self.fast.get(scope["path"])
+            if handler is not None:
+                return handler(scope, receive, send)
+        return self._routed(scope, receive, send)
+
+    async def _routed(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             origins = self.gateway.policy.server.cors_allowed_origins
             if origins:

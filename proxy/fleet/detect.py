@@ -57,14 +57,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
-SILENT_IN_ROW = 3  # silent attempts in a row that eject even when the counters still move
-SLOW_START_FLOOR = 0.1  # a replica in slow start never weighs less than this
+SILENT_IN_ROW: Final = 3  # silent attempts in a row that eject even when the counters still move
+SLOW_START_FLOOR: Final = 0.1  # a replica in slow start never weighs less than this
 FIVEXX_WINDOW = 20  # recent attempts per replica kept for the 5xx outlier comparison
-PEER_5XX_RATE_MAX = 0.5  # peers failing more than this: the requests, not the replica, fail
-SUSPECT_5XX_RATE = 0.25  # a replica whose recent answers were this much 5xx: replay its 5xx
-SUSPECT_MIN_SEEN = 2  # ... over at least this many answers
+PEER_5XX_RATE_MAX: Final = 0.5  # peers failing more than this: the requests, not the replica, fail
+SUSPECT_5XX_RATE: Final = 0.25  # a replica whose recent answers were this much 5xx: replay its 5xx
+SUSPECT_MIN_SEEN: Final = 2  # ... over at least this many answers
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from proxy.config import HealthConfig, Policy
 from proxy.errors import AmbiguousReplica, FailureKind, UnknownReplica
@@ -60,16 +60,16 @@ from proxy.fleet.vllm import EngineSample
 if TYPE_CHECKING:
     from proxy.observe.metrics import Metrics
 
-log = logging.getLogger("tokenlane.health")
+log: Final = logging.getLogger("tokenlane.health")
 
 # Failure kinds the request path reports, by the counter they feed.
-HARD_FAILURES = frozenset({FailureKind.CONNECT, FailureKind.RESET, FailureKind.UPSTREAM_5XX})
-SILENT_FAILURES = {
+HARD_FAILURES: Final = frozenset({FailureKind.CONNECT, FailureKind.RESET, FailureKind.UPSTREAM_5XX})
+SILENT_FAILURES: Final = {
     FailureKind.FIRST_TOKEN_TIMEOUT: EjectReason.FIRST_TOKEN_TIMEOUT,
     FailureKind.STREAM_IDLE: EjectReason.SILENT_STREAM,
 }
 # Ejections that a usable answer disproves (a held-back one is dropped on success).
-TRAFFIC_REASONS = frozenset(
+TRAFFIC_REASONS: Final = frozenset(
     {EjectReason.CONSECUTIVE_FAILURES, EjectReason.FIRST_TOKEN_TIMEOUT, EjectReason.SILENT_STREAM}
 )
 
@@ -97,6 +97,11 @@ class Fleet:
             name: Pool(name, cfg, [make_replica(name, r, self.environ) for r in cfg.replicas])
             for name, cfg in policy.pools.items()
         }
+        # The cache_aware pools' routers by pool name, kept and used by
+        # ``proxy.routing.cache_aware`` alone: they live as long as the fleet, across reloads,
+        # so a reload keeps what their indexes learnt. (Held here, not in a weak mapping keyed
+        # by the fleet: a compiled class takes no weak reference.)
+        self.cache_routers: dict[str, Any] = {}
         self.publish_all()
 
     def publish_all(self) -> None:

@@ -40,6 +40,11 @@ class BatchedLines(logging.StreamHandler):
         written on the event loop's thread alone."""
         self._lines.append(line + self.terminator)
 
+    def write_all(self, lines: list[str]) -> None:
+        """``write`` of each of ``lines``: a batch's lines, in one call."""
+        end = self.terminator
+        self._lines.append(end.join(lines) + end)
+
     def emit(self, record: logging.LogRecord) -> None:
         """A record (another formatter, a filter) is held for the batch's write as well."""
         try:

@@ -11,7 +11,7 @@ contract with the dashboards and alerts reads in one file.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,7 +21,7 @@ from proxy.errors import RetryReason
 
 # 5 ms to 60 s: TTFT of a warm short request is tens of ms; a queued bulk request can take a
 # minute. Roughly ×2 steps, finer where SLOs usually sit (100 ms – 2 s).
-LATENCY_BUCKETS = (
+LATENCY_BUCKETS: Final = (
     0.005,
     0.01,
     0.025,
@@ -47,7 +47,7 @@ LATENCY_BUCKETS = (
     60.0,
 )
 # Gateway overhead is sub-millisecond when healthy; resolve 50 µs to 60 s.
-OVERHEAD_BUCKETS = (
+OVERHEAD_BUCKETS: Final = (
     0.00005,
     0.0001,
     0.00025,
@@ -68,9 +68,9 @@ OVERHEAD_BUCKETS = (
     60.0,
 )
 
-REPLICA_STATES = ("probing", "healthy", "ejected", "draining")
+REPLICA_STATES: Final = ("probing", "healthy", "ejected", "draining")
 REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited", "unauthorized")
-EJECTION_REASONS = (
+EJECTION_REASONS: Final = (
     "stall",
     "silent_stream",
     "first_token_timeout",
@@ -79,27 +79,27 @@ EJECTION_REASONS = (
     "canary_failed",
     "operator",
 )
-RETRY_REASONS = tuple(RetryReason)
+RETRY_REASONS: Final = tuple(RetryReason)
 # Rejections recorded against a lane; `unauthorized` comes before any lane is known and is
 # recorded under NO_LANE (proxy/edge/auth.py).
-LANE_REJECTION_REASONS = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
+LANE_REJECTION_REASONS: Final = ("queue_full", "queue_timeout", "no_replica", "rate_limited")
 # proxy/relay/continuation.py's Trigger and Refusal values (observe imports nothing of relay).
-CONTINUATION_TRIGGERS = ("eof", "reset", "error_event", "abort", "stall")
-CONTINUATION_REFUSALS = (
+CONTINUATION_TRIGGERS: Final = ("eof", "reset", "error_event", "abort", "stall")
+CONTINUATION_REFUSALS: Final = (
     "disabled", "n", "tools", "structured", "logprobs", "stop", "content", "seeded",
     "usage_stats", "reasoning", "seq_len", "no_ids", "limit", "no_target", "busy",
     "client_error", "malformed", "api",
 )  # fmt: skip
-CACHE_AWARE_REASONS = ("longest_match", "new_prefix", "replicated")  # cache_aware.Verdict
-NO_LANE = "none"
+CACHE_AWARE_REASONS: Final = ("longest_match", "new_prefix", "replicated")  # cache_aware.Verdict
+NO_LANE: Final = "none"
 # The relayed APIs, as ``Call.kind`` names them (``other``: every pass-through path).
-APIS = ("chat", "completion", "messages", "responses", "realtime", "other")
-GATEWAY_STATUSES = ("429", "503")  # the gateway's own refusals (rejections, no replica)
+APIS: Final = ("chat", "completion", "messages", "responses", "realtime", "other")
+GATEWAY_STATUSES: Final = ("429", "503")  # the gateway's own refusals (rejections, no replica)
 # Per-replica TTFT: coarser than LATENCY_BUCKETS on purpose. Each replica costs
 # len(REPLICA_TTFT_BUCKETS) + 3 series (the buckets, +Inf, _sum, _count): 15 per replica, so a
 # fleet of 100 replicas adds 1,500 series per gateway instance. Enough to tell a replica whose
 # p50 is 80 ms from one at 2 s; the per-lane histogram keeps the fine resolution.
-REPLICA_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+REPLICA_TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 LabelSets = dict[str, set[tuple[str, ...]]]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from proxy.observe.accessline import write_line
+from proxy.observe.accessline import write_lines
 from proxy.observe.accesslog import flush_lines
 from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics, replica_ttft_s
@@ -41,6 +41,8 @@ class Recorder:
         self._counts: dict[tuple[Any, tuple[str, ...]], float] = {}
         # (a histogram, its labels): this batch's values, held for its series
         self._observed: dict[tuple[Any, tuple[str, ...]], Gaps] = {}
+        # The batch's requests, for their access lines (``accessline.write_lines``)
+        self._ended: list[tuple[Call, float, float]] = []
 
     def _inc(self, metric: Any, labels: tuple[str, ...], amount: float = 1.0) -> None:
         key = (metric, labels)
@@ -85,7 +87,7 @@ class Recorder:
                 self._inc(m.prompt_tokens_estimated, (pool,), profile.prompt_tokens_est)
                 self._inc(m.prompt_tokens_reported, (pool,), reported)
                 self.estimator.observe(profile, reported)
-        write_line(call, duration, ts)  # the one line per request
+        self._ended.append((call, duration, ts))  # its one access line, at the batch's end
 
     def batch_done(self) -> None:
         """The batch's counts and observations into their series, then its access lines out."""
@@ -100,6 +102,10 @@ class Recorder:
             for held in observed.values():
                 held.flush(0.0)
             observed.clear()
+        ended = self._ended
+        if ended:
+            write_lines(ended)
+            ended.clear()
         flush_lines()
 
 

@@ -27,6 +27,7 @@ from typing import Any, Final
 from proxy.config import ContinuationConfig
 from proxy.errors import FailureKind
 from proxy.relay import sse
+from proxy.relay.sse import FIND, RFIND
 
 _COMPACT: Final = (",", ":")
 
@@ -274,6 +275,7 @@ def plain_ids(ids: bytes) -> bool:
 # (the decoder makes an int of each: 64 µs for 2,048 here, against 1 µs for the rest of the
 # chunk), so ``Splice.parse`` cuts the list out as bytes, parses the rest, and the ids wait
 # until a seam reads them.
+_DONE_EVENT: Final = b"data: " + sse.DONE
 _PROMPT_KEY: Final = b'"prompt_token_ids"'
 _PROMPT_IDS: Final = _PROMPT_KEY + b":["
 _PROMPT_NULL: Final = _PROMPT_KEY + b":null"
@@ -293,6 +295,15 @@ def _cut_where_vllm_puts_them(obj: Any) -> bool:
     return False
 
 
+def _keys_within(obj: dict[str, Any], allowed: frozenset[str]) -> bool:
+    """``allowed.issuperset(obj)``: compiled, a loop and a set lookup per key, not the
+    method's call by name."""
+    for key in obj:
+        if key not in allowed:
+            return False
+    return True
+
+
 def _ids_or_none(ids: list[Any]) -> list[int] | None:
     return ids if all(type(i) is int for i in ids) else None
 
@@ -309,7 +320,12 @@ def decode_ids(ids: bytes) -> list[int] | None:
 
 def strip_ids(event: bytes) -> bytes:
     """An event with its ``prompt_token_ids`` / ``token_ids`` lists replaced by null."""
-    i = event.find(_IDS_KEY)
+    n = len(event)
+    i = FIND(event, _IDS_KEY, 0, n)
+    # Past keys whose value is no list (vLLM's ``"prompt_token_ids":null``, or the prompt's ids
+    # ``Splice.parse`` nulled): the first chunk's own ids then take the common path below.
+    while i >= 0 and i + len(_IDS_KEY) < n and event[i + len(_IDS_KEY)] == 0x6E:  # "n"
+        i = FIND(event, _IDS_KEY, i + len(_IDS_KEY), n)
     if i < 0:
         return event
     # The common event: one key, its plain ids the event's last value (a finish chunk, a first
@@ -342,11 +358,11 @@ def _strip_every_list(event: bytes, i: int) -> bytes:
         while event[at : at + 1] in (b" ", b"\t", b"\r", b"\n"):
             at += 1
         if is_key and event[at : at + 1] == b"[":
-            end = event.find(b"]", at)
+            end = FIND(event, b"]", at, len(event))
             if end > 0 and not event[at + 1 : end].translate(None, _ID_BYTES):
                 parts += (event[done:at], b"null")
                 done = end + 1
-        i = event.find(_IDS_KEY, value)
+        i = FIND(event, _IDS_KEY, value, len(event))
     if not parts:
         return event
     parts.append(event[done:])
@@ -495,21 +511,24 @@ class Splice:
         """``sse.parse_event`` of one of this stream's events, the prompt ids it carries cut
         out unparsed (noted while none are, else dropped) and null in what it returns; and
         the event as the client gets it (its prompt ids null unless the client asked)."""
-        at = event.find(_PROMPT_IDS)
+        if event == _DONE_EVENT:
+            return sse.DONE, event  # as vLLM ends every stream: told without a parse
+        n = len(event)
+        at = FIND(event, _PROMPT_IDS, 0, n)
         if at >= 0:
             start = at + len(_PROMPT_IDS)
-            end = event.find(b"]", start)
+            end = FIND(event, b"]", start, n)
             # On the event's first line (vLLM writes an event as one), with no "[" or quote
             # inside, the first "]" ends the list; with the key nowhere else, the null in the
             # parsed object is this list's. Whether what is inside is ids (or even JSON) is
             # judged when a seam decodes it: if not, the seam is refused (``no_ids``).
             if (
                 end > 0
-                and event.find(b"\n", 0, end) < 0
-                and event.find(b"[", start, end) < 0
-                and event.find(b'"', start, end) < 0
-                and event.find(_PROMPT_KEY, 0, at) < 0
-                and event.find(_PROMPT_KEY, end) < 0
+                and FIND(event, b"\n", 0, end) < 0
+                and FIND(event, b"[", start, end) < 0
+                and FIND(event, b'"', start, end) < 0
+                and FIND(event, _PROMPT_KEY, 0, at) < 0
+                and FIND(event, _PROMPT_KEY, end, n) < 0
             ):
                 nulled = event[:at] + _PROMPT_NULL + event[end + 1 :]
                 obj = sse.parse_event(nulled)
@@ -604,29 +623,32 @@ class Splice:
     def learn_template(self, event: bytes, obj: dict[str, Any]) -> None:
         """Take this stream's token-chunk head and tail from ``event`` (parsed as ``obj``)
         when it is an ordinary token chunk whose text holds no quote or backslash."""
-        if not _TOP_KEYS.issuperset(obj) or not event.endswith(_TOKEN_END):
+        if not _keys_within(obj, _TOP_KEYS) or not event.endswith(_TOKEN_END):
             return
-        if sse.contains(event, _PROMPT_IDS):
+        n = len(event)
+        if FIND(event, _PROMPT_IDS, 0, n) >= 0:
             return  # the first chunk, its ids nulled by ``parse``: no later chunk has them
         choices = obj.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             return
         choice = choices[0]
-        if not _CHOICE_KEYS.issuperset(choice) or not isinstance(choice.get("token_ids"), list):
+        if not _keys_within(choice, _CHOICE_KEYS) or not isinstance(choice.get("token_ids"), list):
             return
         if any(choice.get(k) is not None for k in _NULL_KEYS):
             return
         delta = choice.get("delta")
-        if self.kind == "chat" and (not isinstance(delta, dict) or list(delta) != ["content"]):
+        if self.kind == "chat" and (
+            not isinstance(delta, dict) or len(delta) != 1 or "content" not in delta
+        ):
             return
         mark = _TEMPLATE_MARK[self.kind]
-        start = event.find(mark)
+        start = FIND(event, mark, 0, n)
         if start < 0:
             return
         start += len(mark)
-        end = event.find(b'"', start)
-        ids_at = event.rfind(_TOKEN_IDS)
-        if end < 0 or event.find(b"\\", start, end) >= 0 or ids_at < end:
+        end = FIND(event, b'"', start, n)
+        ids_at = RFIND(event, _TOKEN_IDS, 0, n)
+        if end < 0 or FIND(event, b"\\", start, end) >= 0 or ids_at < end:
             return
         self.head = event[:start]
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
@@ -650,6 +672,8 @@ class Splice:
 
     def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """``take_chunk`` of an event split from a read, without its ``\\n\\n``."""
+        if self.head is None:
+            return None  # no template yet: not even the event's copy with its end
         return self.take_chunk(event + b"\n\n", strip)
 
     def take_run(self, data: bytes, start: int, strip: bool) -> tuple[bytes, int] | None:

@@ -18,7 +18,6 @@ attempt is never retried; a failure ends the stream with an SSE error event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -204,7 +203,9 @@ class Relay:
         if call.stream and call.kind != "other":
             self.resumer.mark(call, policy)
         tokens = self.prompt_tokens
-        if tokens is not None and tokens.wanted(call):  # precise cache_aware: token ids
+        # Precise cache_aware: token ids. Its pools are read first: ``wanted`` is interpreted
+        # (``proxy.fleet.kv_events``), a Python call on every request where no pool is precise.
+        if tokens is not None and tokens.feeds.pools and tokens.wanted(call):
             await tokens.fill(call)
         queued_at = now()
         self.live.add(call)
@@ -396,7 +397,7 @@ class Relay:
                     fire_at = loop.time() + call.lane.first_token_timeout_s
                     if fire_at > deadline:
                         fire_at = deadline
-                watchdog = Watchdog(loop, fire_at)
+                watchdog = Watchdog(loop, fire_at, call.task)  # the task this runs in
                 try:
                     conn = await self.pool.send(
                         origin,
@@ -469,8 +470,10 @@ class Relay:
                 self.fleet.note_5xx(replayed_5xx_of, confirmed=served)
             self.admission.released(replica)
             if response is not None:
-                with contextlib.suppress(Exception):
+                try:  # not contextlib.suppress: an interpreted context manager per request
                     await response.aclose()
+                except Exception:
+                    pass
 
     def _judge(self, call: Call, attempt: Attempt, fault: Fault) -> Verdict:
         replica = attempt.replica

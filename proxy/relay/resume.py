@@ -652,7 +652,7 @@ class _TokenRelay(StreamFlow):
         for what the loop decides on (``[DONE]``, an error, an abort, what is not JSON) or a
         read of several events: it is handed back."""
         end = len(chunk) - 2
-        if not chunk.endswith(b"\n\n") or chunk.find(b"\n\n", 0, end) >= 0:
+        if not chunk.endswith(b"\n\n") or sse.FIND(chunk, b"\n\n", 0, end) >= 0:
             return None
         event = chunk[:end]
         obj, shown = self.sp.parse(event)

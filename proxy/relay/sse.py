@@ -9,7 +9,7 @@ JSON but error events with spaces, so events are parsed, never matched byte for 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from typing import Any, Final
 
 import msgspec
@@ -23,17 +23,47 @@ _DECODER: Final = msgspec.json.Decoder()
 _DELTA_CONTENT_KEYS: Final = ("content", "reasoning_content", "reasoning", "tool_calls", "audio")
 
 
+def _find(data: bytes, sub: bytes, start: int, end: int) -> int:
+    return data.find(sub, start, end)
+
+
+def _rfind(data: bytes, sub: bytes, start: int, end: int) -> int:
+    return data.rfind(sub, start, end)
+
+
+Search = Callable[[bytes, bytes, int, int], int]
+
+
+def _native_search() -> tuple[Search, Search]:
+    """``bytes.find`` and ``bytes.rfind`` as plain functions, in C when the compiled build is
+    in use (``proxy/compiled.py`` finds ``proxy.relay._bytesearch`` in it), else these.
+    Compiled, ``data.find(...)`` is a method call whose arguments a format string parses back:
+    about 1,500 instructions a call, where the C function costs a few hundred (callgrind);
+    an eligible stream's first events search some thirty times a request."""
+    try:
+        from proxy.relay._bytesearch import find, rfind
+    except ImportError:
+        return _find, _rfind
+    return find, rfind
+
+
+# FIND(data, sub, start, end): ``data.find(sub, start, end)``; RFIND: ``data.rfind(...)``.
+_SEARCH: Final = _native_search()
+FIND: Final = _SEARCH[0]
+RFIND: Final = _SEARCH[1]
+
+
 def event_end(data: bytes, start: int) -> int:
     """Where the first event from ``start`` ends (its "\\n\\n"), or -1. Searched a line end
     at a time: a one-byte search is a ``memchr``, a two-byte one a scan that costs 12 µs over
     a 13 KB chunk (a 2,048-token prompt's ids) here against 0.4 µs; vLLM's events are one
     line."""
     n = len(data)
-    i = data.find(b"\n", start)
+    i = FIND(data, b"\n", start, n)
     while 0 <= i < n - 1:
         if data[i + 1] == 0x0A:
             return i
-        i = data.find(b"\n", i + 2)
+        i = FIND(data, b"\n", i + 2, n)
     return -1
 
 
@@ -41,8 +71,8 @@ def contains(data: bytes, part: bytes) -> bool:
     """``part in data``, without its cost: CPython's ``in`` on bytes first tries ``part`` as
     an int, and builds and drops a TypeError before it searches (2,400 instructions a test,
     counted with callgrind: five tests a request cost 2 % of its CPU); ``find`` searches at
-    once."""
-    return data.find(part) >= 0
+    once (``FIND``: in C, without a method call)."""
+    return FIND(data, part, 0, len(data)) >= 0
 
 
 class EventBuffer:
@@ -140,7 +170,7 @@ def decode_json(data: bytes) -> Any:
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's ``data:`` lines (joined by newlines), or None for comments."""
-    if event.startswith(b"data: ") and not contains(event, b"\n"):
+    if event.startswith(b"data: ") and FIND(event, b"\n", 0, len(event)) < 0:
         return event[6:]  # vLLM's one line: no split, no join
     lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
     if not lines:
@@ -153,7 +183,8 @@ def parse_event(event: bytes) -> Any:
     data = event_data(event)
     if data is None:
         return None
-    if data.strip() == DONE:
+    # A chunk's JSON object is told from [DONE] by its first byte, without ``strip``'s call.
+    if not (data and data[0] == 0x7B) and data.strip() == DONE:  # "{"
         return DONE
     try:
         return decode_json(data)
@@ -318,11 +349,12 @@ def last_usage(tail: bytes) -> dict[str, Any] | None:
     """``usage`` from the last events of a stream (vLLM sends it just before ``[DONE]``)."""
     if contains(tail, b"\r"):  # as EventBuffer does: accept CRLF line ends
         tail = tail.replace(b"\r\n", b"\n")
-    idx = tail.rfind(b'"usage"')
+    n = len(tail)
+    idx = RFIND(tail, b'"usage"', 0, n)
     if idx < 0:
         return None
-    start = tail.rfind(b"data:", 0, idx)
-    end = tail.find(b"\n\n", idx)
+    start = RFIND(tail, b"data:", 0, idx)
+    end = FIND(tail, b"\n\n", idx, n)
     if start < 0:
         return None
     obj = parse_event(tail[start : end if end >= 0 else len(tail)])

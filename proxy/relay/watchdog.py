@@ -34,8 +34,16 @@ class Watchdog:
 
     __slots__ = ("_cancelling", "_fired", "_handle", "_loop", "_task")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, when: float | None) -> None:
-        task = asyncio.current_task(loop)
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        when: float | None,
+        task: asyncio.Task[Any] | None = None,
+    ) -> None:
+        # ``task``: the task it runs in, when the caller knows it (a request's ``Call.task``,
+        # named by the server): asyncio's ``current_task`` is interpreted in Python 3.11.
+        if task is None:
+            task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a watchdog cancels a task: create it inside one")
         self._loop = loop

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import random
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -271,25 +270,22 @@ class CacheAwareRouter:
         }
 
 
-# One router per (fleet, pool): the fleet outlives policy reloads, so a reload keeps what the
-# indexes learnt; a fleet that goes away takes its routers with it.
-_routers: weakref.WeakKeyDictionary[Fleet, dict[str, CacheAwareRouter]] = (
-    weakref.WeakKeyDictionary()
-)
+# One router per (fleet, pool), held by the fleet (``Fleet.cache_routers``): the fleet outlives
+# policy reloads, so a reload keeps what the indexes learnt; a fleet that goes away takes its
+# routers with it.
 
 
 def router_for(fleet: Fleet, pool: str) -> CacheAwareRouter:
-    pools = _routers.get(fleet)
-    if pools is None:
-        pools = _routers[fleet] = {}
+    pools = fleet.cache_routers
     router = pools.get(pool)
     if router is None:
         router = pools[pool] = CacheAwareRouter()
+    assert isinstance(router, CacheAwareRouter)
     return router
 
 
 def routers(fleet: Fleet) -> dict[str, CacheAwareRouter]:
-    return _routers.get(fleet, {})
+    return fleet.cache_routers
 
 
 def learn(fleet: Fleet, pool: str, url: str, hashes: Sequence[int]) -> None:

@@ -104,8 +104,14 @@ class BoardLedger:
         self._kicked: set[int] = set()
         self._full_logged = False
         self._waiting_row = board.row(WAITING_ROW)
+        # A name's row once the board gave it one (``Board.row`` caches it): the dict's own
+        # ``get``, no Python frame, on the three or four asks of every request.
+        self._known = board.rows_known.get
 
     def _row(self, name: str) -> int | None:
+        row = self._known(name)
+        if row is not None:
+            return row
         try:
             return self.board.row(name)
         except BoardFull:
@@ -115,21 +121,27 @@ class BoardLedger:
             return None
 
     def others(self, name: str) -> int:
-        board = self.board
-        row = self._row(name)
-        return 0 if row is None else board.total(row) - board.mine(row)
+        row = self._known(name)
+        if row is None and (row := self._row(name)) is None:
+            return 0
+        return self.board.others(row)
 
     def claim(self, name: str, limit: int, amount: int = 1) -> bool:
-        row = self._row(name)
-        return True if row is None else self.board.claim(row, limit, amount)
+        row = self._known(name)
+        if row is None and (row := self._row(name)) is None:
+            return True
+        return self.board.claim(row, limit, amount)
 
     def hold(self, name: str, count: int) -> None:
-        row = self._row(name)
-        if row is not None:
-            self.board.set_mine(row, count)
+        row = self._known(name)
+        if row is None and (row := self._row(name)) is None:
+            return
+        self.board.set_mine(row, count)
 
     def kick_others(self) -> None:
         board, row = self.board, self._waiting_row
+        if not board.others(row):
+            return  # no other worker has a waiter: nobody to kick
         for w in range(board.workers):
             if w == board.worker or w in self._kicked:
                 continue
