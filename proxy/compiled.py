@@ -47,6 +47,7 @@ MODULES = (
     "proxy.fleet.detect",
     "proxy.fleet.fleet",
     "proxy.fleet.replica",
+    "proxy.headers",
     "proxy.observe.accessline",
     "proxy.observe.gaps",
     "proxy.observe.metrics",

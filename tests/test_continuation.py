@@ -161,6 +161,24 @@ def test_strip_ids_at_an_events_end(event: bytes, want: bytes) -> None:
     assert strip_ids(event) == want
 
 
+def test_a_first_chunk_with_its_prompt_ids_nulled_has_its_own_ids_nulled_too() -> None:
+    # As Splice.parse hands it on (the prompt's ids cut out and nulled), and as vLLM writes a
+    # chunk without the flag: the key with no list is passed over, the list at the end nulled.
+    event = (b'data: {"id":"c","prompt_token_ids":null,"choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":""},"token_ids":[]}]}')  # fmt: skip
+    assert strip_ids(event) == event.replace(b'"token_ids":[]', b'"token_ids":null')
+    assert strip_ids(b'{"prompt_token_ids":null,"token_ids":null}') == (
+        b'{"prompt_token_ids":null,"token_ids":null}'
+    )
+
+
+def test_done_is_told_without_a_parse_and_a_choice_that_is_no_object_notes_nothing() -> None:
+    sp = Splice("chat", BASE, False)
+    assert sp.parse(b"data: [DONE]") == (parse_event(b"data: [DONE]"), b"data: [DONE]")
+    assert sp.observe({"id": "c", "choices": ["x"]}) is None  # not vLLM's: nothing noted
+    assert (sp.ids, sp.text_ids, sp.finish_reason) == ([], 0, None)
+
+
 def test_strip_ids_common_end_is_the_scans_result() -> None:
     # Random events around the common end: the fast path and the scan of every list agree.
     rng = random.Random(11)
@@ -171,7 +189,11 @@ def test_strip_ids_common_end_is_the_scans_result() -> None:
             [b'"token_ids":', b'"prompt_token_ids":', b'token_ids":', b'"token_ids": ']
         )
         head = rng.choice([b'data: {"choices":[{"text":"a",', b'data: {"token_ids":[4],"c":[{',
-                           b"", b'{"t":"\"token_ids\":[2]",'])  # fmt: skip
+                           b"", b'{"t":"\"token_ids\":[2]",',
+                           # a key whose value is no list first (vLLM's null prompt ids, or
+                           # the ones Splice.parse nulled): passed over by the common end
+                           b'data: {"prompt_token_ids":null,"choices":[{',
+                           b'{"token_ids":nul,"prompt_token_ids":null,'])  # fmt: skip
         event = head + key + b"[" + ids + rng.choice([b"]}]}", b"]}", b"]}]}]}", b"}]}"])
         i = event.find(b'token_ids":')
         want = event if i < 0 else cont._strip_every_list(event, i)

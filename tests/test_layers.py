@@ -9,7 +9,8 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   edge         the rest of proxy.edge (endpoint, routes, auth, admin)
   core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe, proxy.workers
   base         proxy.config, proxy.policyfile, proxy.schema, proxy.errors, proxy.routing.tokens,
-               proxy.edge.asgi_ext, proxy.compiled (which build of the modules runs)
+               proxy.edge.asgi_ext, proxy.headers (header bytes case-folded),
+               proxy.compiled (which build of the modules runs)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "proxy.errors",
             "proxy.routing.tokens",
             "proxy.edge.asgi_ext",
+            "proxy.headers",
             "proxy.compiled",
         ),
     ),

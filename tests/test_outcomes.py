@@ -275,6 +275,35 @@ async def test_access_lines_are_written_once_per_batch_and_a_refusal_at_once(
         log.removeHandler(handler)
 
 
+def test_a_batchs_lines_go_to_the_handler_in_one_call_in_order() -> None:
+    """``accessline.write_lines`` (the recorder's, once a batch): the level asked once, the
+    lines handed over together and written as ``write_line`` writes each; below INFO none."""
+    stream = CountingStream()
+    log = logging.getLogger("tokenlane.access.test-lines")
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = accesslog.BatchedLines(stream)
+    log.addHandler(handler)
+    try:
+        accessline.write_lines([(a_call(f"r-{i}"), 0.1, 1.0) for i in range(3)], log)
+        flush_lines(log)
+        assert [json.loads(x)["request_id"] for x in stream.getvalue().splitlines()] == [
+            "r-0", "r-1", "r-2",
+        ]  # fmt: skip
+        assert stream.writes == 1
+        one = io.StringIO()
+        handler.stream = one
+        write_line(a_call("r-0"), 0.1, 1.0, log)
+        flush_lines(log)
+        assert one.getvalue() == stream.getvalue().splitlines(keepends=True)[0]
+        log.setLevel(logging.WARNING)
+        accessline.write_lines([(a_call("r-9"), 0.1, 1.0)], log)
+        flush_lines(log)
+        assert "r-9" not in one.getvalue()
+    finally:
+        log.removeHandler(handler)
+
+
 class BrokenStream(io.StringIO):
     def write(self, s: str) -> int:
         raise BrokenPipeError("the reader is gone")

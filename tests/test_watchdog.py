@@ -106,3 +106,15 @@ def test_it_needs_a_task_to_cancel() -> None:
             Watchdog(loop, None)
     finally:
         loop.close()
+
+
+async def test_given_its_task_it_cancels_that_one() -> None:
+    # The relay names the request's task (``Call.task``) rather than asking asyncio for it.
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    watchdog = Watchdog(loop, loop.time() + 0.01, task)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.Event().wait()
+    assert watchdog.close(cancelled=True) is True
+    assert task.cancelling() == 0

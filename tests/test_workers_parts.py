@@ -193,6 +193,20 @@ def test_claims_hold_a_limit_across_workers_and_a_dead_column_frees(
     assert w0.total(row) == 0
 
 
+def test_a_rows_total_and_the_others_share_are_its_column_cells(
+    boards: tuple[Board, Board, Board],
+) -> None:
+    # Summed over a strided view of the counts: the row's cell in every worker's column, and
+    # nothing of the rows beside it.
+    _, w0, w1 = boards
+    row, beside = w0.row("r p http://a"), w0.row("r p http://b")
+    w0.set_mine(row, 4)
+    w1.set_mine(row, 3)
+    w1.set_mine(beside, 50)
+    assert (w0.total(row), w0.others(row), w1.others(row)) == (7, 3, 4)
+    assert (w0.total(beside), w0.others(beside), w1.others(beside)) == (50, 50, 0)
+
+
 def test_rate_limit_buckets_are_one_budget_for_all_workers(
     boards: tuple[Board, Board, Board],
 ) -> None:

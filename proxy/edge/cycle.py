@@ -191,6 +191,10 @@ class Cycle:
         return message
 
     async def send(self, message: Mapping[str, Any]) -> None:
+        # A dict, as every app sends: typed so, its ``get`` is the dict's own, not a method call.
+        if type(message) is not dict:
+            message = dict(message)
+        msg: dict[str, Any] = message
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         if self.disconnected:
@@ -201,20 +205,20 @@ class Cycle:
                 raise RuntimeError(
                     f"Expected ASGI message 'http.response.start', but got '{kind}'."
                 )
-            self._start(message)
+            self._start(msg)
         elif not self.response_complete:
             if kind != "http.response.body":
                 raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{kind}'.")
-            body = message.get("body", b"")
+            body = msg.get("body", b"")
             if type(body) is not bytes:
                 body = bytes(body)  # a memoryview or bytearray (Starlette streams memoryviews)
-            self._body(body, bool(message.get("more_body", False)))
+            self._body(body, bool(msg.get("more_body", False)))
         else:
             raise RuntimeError(
                 f"Unexpected ASGI message '{kind}' sent, after response already completed."
             )
 
-    def _start(self, message: Mapping[str, Any]) -> None:
+    def _start(self, message: dict[str, Any]) -> None:
         """A response start, with its first body when it carries one (``START_WITH_BODY``),
         written in one vectored write."""
         body = message.get(START_BODY)
@@ -282,7 +286,7 @@ class Cycle:
             or self.flow.write_paused
         ):
             return False
-        self._start(message)
+        self._start(message if type(message) is dict else dict(message))
         return True
 
     def take_body(self) -> bytes | None:

@@ -278,6 +278,11 @@ class RelayEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = now()
+        # A dict, as every ASGI server passes it: typed so, its reads are the dict's own, not
+        # method calls by name.
+        if type(scope) is not dict:
+            scope = dict(scope)
+        sc: dict[str, Any] = scope
         gw = self.gw
         gw.active_requests += 1
         request_id: str | None = None
@@ -291,7 +296,7 @@ class RelayEndpoint:
             connection = None
             chain: list[bytes] = []  # incoming X-Forwarded-For, then Forwarded, values
             forwarded: list[bytes] = []
-            for k, v in scope["headers"]:
+            for k, v in sc["headers"]:
                 if k == b"x-request-id":
                     rid = v
                 elif k == b"content-length":
@@ -311,19 +316,19 @@ class RelayEndpoint:
                     headers.append((k, v))
             if connection is not None:
                 headers = without_connection_named(headers, connection)
-            client = scope.get("client")
+            client = sc.get("client")
             peer = client[0] if client else None
             trusted = self._trusted(gw.policy.server.trusted_proxies, peer)
             headers += forwarding_headers(peer, chain, forwarded, trusted)
             request_id = request_id_from(rid)
             if gw.shutting_down:
                 raise ShuttingDown()
-            if scope["method"] not in self.methods:
-                raise MethodNotAllowed(f"method {scope['method']} is not allowed on {self.path}")
+            if sc["method"] not in self.methods:
+                raise MethodNotAllowed(f"method {sc['method']} is not allowed on {self.path}")
             guard = self.guard
-            key = guard.authenticate(scope["headers"]) if guard.enabled else None
+            key = guard.authenticate(sc["headers"]) if guard.enabled else None
             limit = gw.policy.server.max_body_bytes
-            ext = scope.get("extensions") or _NO_EXTENSIONS
+            ext: dict[str, Any] = sc.get("extensions") or _NO_EXTENSIONS
             writer = ext.get(DIRECT_BODY)
             raw = writer.take_body() if writer is not None else None
             if raw is None:
@@ -334,11 +339,11 @@ class RelayEndpoint:
             # its old limits back into admission.
             policy = gw.policy
             call = self._make_call(policy, raw, headers, request_id, received_at)
-            call.query = scope.get("query_string", b"")
-            call.method = scope["method"]
+            call.query = sc.get("query_string", b"")
+            call.method = sc["method"]
             if self.path == RESPONSES_BY_ID:
-                call.path = scope["path"]
-                await self._pin(call, stored_response_id(scope["path"]))
+                call.path = sc["path"]
+                await self._pin(call, stored_response_id(sc["path"]))
             elif call.fields is not None and self.kind == "responses":
                 previous = call.fields.get("previous_response_id")
                 if previous is not None:

@@ -18,6 +18,7 @@ from typing import Any, Final
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from proxy.errors import InvalidResponse
+from proxy.headers import LOWER
 
 # The bytes uvicorn's expressions take in a header name and a header value, read off them.
 _NAME_BYTES: Final = bytes(b for b in range(256) if HEADER_RE.search(bytes([b])) is None)
@@ -104,7 +105,9 @@ def response_start(
     closing = False
     for pair in every:
         value: Any = pair[1]
-        name: Any = pair[0].lower()
+        name: Any = pair[0]
+        # ``lower()``; as mypyc's own operation for bytes (``proxy.headers``), by name else.
+        name = name.translate(LOWER) if type(name) is bytes else name.lower()
         if name == b"content-length" and chunked is None:
             try:
                 length = int(value.decode())

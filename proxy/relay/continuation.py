@@ -564,6 +564,8 @@ class Splice:
         if not choices:
             return None
         choice = choices[0]
+        if not isinstance(choice, dict):
+            return None  # not vLLM's shape; and, narrowed, ``get`` compiles to the dict's own
         if self._prompt is None:
             p = choice.get("prompt_token_ids")  # completions put them on the choice
             if isinstance(p, list):
@@ -632,6 +634,8 @@ class Splice:
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             return
         choice = choices[0]
+        if not isinstance(choice, dict):  # checked above: narrowed here, for the dict's ``get``
+            return
         if not _keys_within(choice, _CHOICE_KEYS) or not isinstance(choice.get("token_ids"), list):
             return
         if any(choice.get(k) is not None for k in _NULL_KEYS):

@@ -38,6 +38,7 @@ from proxy.errors import (
     UpstreamReadTimeout,
     UpstreamUnreached,
 )
+from proxy.headers import LOWER
 from proxy.relay.sse import contains
 
 # A body held by a reader that is not reading (the client is slow, or the relay is busy with
@@ -184,7 +185,7 @@ class H1Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
-        lower = name.lower()
+        lower = name.translate(LOWER)  # ``name.lower()`` (``proxy.headers``)
         if lower == b"content-length" or (
             lower == b"transfer-encoding" and contains(value.lower(), b"chunked")
         ):
@@ -578,7 +579,7 @@ def stale_resend_allowed(from_pool: bool, resends: int, *, streamed: bool) -> bo
 def without_framing(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """``headers`` less Host, Content-Length and Transfer-Encoding: for requests httpx built
     (the transport's other users, a traced attempt), whose Host ``request_head`` sets anew."""
-    return [(k, v) for k, v in headers if k.lower() not in _SET_HERE]
+    return [(k, v) for k, v in headers if k.translate(LOWER) not in _SET_HERE]
 
 
 def request_head(

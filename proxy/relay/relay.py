@@ -42,6 +42,7 @@ from proxy.errors import (
 from proxy.fleet import detect
 from proxy.fleet.fleet import Fleet, Replica
 from proxy.fleet.kv_events import PromptTokens
+from proxy.headers import LOWER
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
 from proxy.relay.call import Attempt, Call
@@ -559,7 +560,7 @@ def query_text(raw: bytes) -> str:
 def _is_event_stream(response: Reply) -> bool:
     # From the raw headers: ``headers.get`` decodes them all first, on every response.
     for key, value in response.headers.raw:
-        if key.lower() == b"content-type":
+        if key.translate(LOWER) == b"content-type":
             return value.startswith(b"text/event-stream")
     return False
 

@@ -6,6 +6,7 @@ for the transport's other users (the health loop)."""
 
 from __future__ import annotations
 
+from proxy.headers import LOWER
 from proxy.relay.h1 import H1Connection, H1Pool, Handler, Origin
 
 
@@ -58,7 +59,7 @@ class ReplyHeaders:
 
     def get(self, name: str, default: str = "") -> str:
         key = name.lower().encode("latin-1")
-        values = [v for k, v in self.raw if k.lower() == key]
+        values = [v for k, v in self.raw if k.translate(LOWER) == key]
         if not values:
             return default
         return b", ".join(values).decode("latin-1")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY, BodyWriter
 from proxy.errors import AttemptFault, Fault, StreamCut, sse_error_event
 from proxy.fleet.fleet import Replica
+from proxy.headers import LOWER
 from proxy.observe.gaps import Gaps
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import Tracer
@@ -65,7 +66,7 @@ class Responder:
     def response_start(self, call: Call, response: Reply, status: int) -> dict[str, Any]:
         # A relayed stream is re-framed by the ASGI server (chunked): its length cannot stay.
         drop = _DROP_DOWNSTREAM_STREAM if call.stream else _DROP_DOWNSTREAM
-        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in drop]
+        headers = [(k, v) for k, v in response.headers.raw if k.translate(LOWER) not in drop]
         headers.append((b"x-request-id", call.request_id.encode()))
         if call.extra_headers:
             headers += call.extra_headers
@@ -167,7 +168,8 @@ class Responder:
             held.append(chunk)
             # Parse events only up to the first with content: after it nothing is inspected
             # (a burst of a whole stream in one read costs one parse).
-            for event in events.feed(chunk):
+            events.push(chunk)
+            while (event := events.next_event()) is not None:
                 obj = sse.parse_event(event)
                 if obj is sse.DONE:
                     ended = True

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -142,7 +141,13 @@ class Resumer:
         ended = False
         trigger: cont.Trigger | None = None
         why = ""
-        unsent: Callable[[], Awaitable[None]] | None = None  # a message being sent
+        # A message being sent: the response start (its dict and first body) or a body
+        # message; kept until its send returned (not a ``functools.partial``: compiled, one is
+        # built through its type's generic call).
+        unsent_start: dict[str, Any] | None = None
+        unsent_body = b""
+        unsent_more = True
+        unsent_message: dict[str, Any] | None = None
         # Ordinary token chunks after the start are relayed from the connection's callback;
         # this loop sees the rest (``_TokenRelay``). ``flow`` holds what both share.
         flow = _TokenRelay(call, attempt, self.metrics, sp, events, strip)
@@ -164,7 +169,8 @@ class Resumer:
                 else:
                     out = []
                     content = False
-                    for ev in events.feed(chunk):
+                    events.push(chunk)
+                    while (ev := events.next_event()) is not None:
                         if (token := sp.take_event(ev, strip)) is not None:  # several in a read
                             out.append(token[0])
                             content = content or token[1]
@@ -173,7 +179,8 @@ class Resumer:
                                     break  # the first content goes out before the rest
                                 continue
                             # The token chunks after it in this read, in one go (a burst).
-                            if (run := sp.take_run(*events.pending(), strip)) is not None:
+                            buffered, at = events.pending()
+                            if (run := sp.take_run(buffered, at, strip)) is not None:
                                 out.append(run[0])
                                 events.advance(run[1])
                                 content = True
@@ -236,11 +243,9 @@ class Resumer:
                     start = self.response_start(call, response, 200)
                     # A stream that ended in the held reads before any content ends in the
                     # same write; one with content sends its rest after (the loop's break).
-                    unsent = functools.partial(
-                        self._begin, call, send, start, b"".join(held), not ended, flow
-                    )
-                    await unsent()
-                    unsent = None
+                    unsent_start, unsent_body, unsent_more = start, b"".join(held), not ended
+                    await self._begin(call, send, start, unsent_body, unsent_more, flow)
+                    unsent_start = None
                 else:
                     writer = flow.writer
                     if writer is not None and not ended:
@@ -251,10 +256,10 @@ class Resumer:
                     elif out or ended:  # [DONE] and the body's end: one write
                         body = b"".join(out)
                         if writer is None or not writer.end(body):
-                            unsent = functools.partial(send, {"type": "http.response.body",
-                                "body": body, "more_body": not ended})  # fmt: skip
-                            await unsent()
-                            unsent = None
+                            unsent_message = {"type": "http.response.body", "body": body,
+                                              "more_body": not ended}  # fmt: skip
+                            await send(unsent_message)
+                            unsent_message = None
                     if content:
                         flow.content(now())
                 if ended or trigger:
@@ -277,11 +282,13 @@ class Resumer:
             why = f"replica {name} stopped generating and was ejected"
         finally:
             flow.finish()
-        if unsent is not None:
-            # The replica was ejected while this message waited for the client to read: it
-            # was not written, and what it holds is noted as sent. Sent now, before the end
-            # or the continuation.
-            await unsent()
+        # The replica was ejected while this message waited for the client to read: it was
+        # not written, and what it holds is noted as sent. Sent now, before the end or the
+        # continuation.
+        if unsent_start is not None:
+            await self._begin(call, send, unsent_start, unsent_body, unsent_more, flow)
+        elif unsent_message is not None:
+            await send(unsent_message)
         if ended:
             return  # its end went with [DONE]
         if trigger is None:
@@ -485,7 +492,8 @@ class Resumer:
             out: list[bytes] = []
             async for chunk in chunks:
                 attempt.last_progress = now()
-                for ev in events.feed(chunk):
+                events.push(chunk)
+                while (ev := events.next_event()) is not None:
                     data, trig, done, content, words = sp.take(ev)
                     if trig is not None:
                         raise AttemptFault(Fault.ERROR_EVENT, f"{name}: {words}")
@@ -520,7 +528,8 @@ class Resumer:
                 async for chunk in events.reads(chunks):
                     attempt.last_progress = now()
                     out: list[bytes] = []
-                    for ev in events.feed(chunk):
+                    events.push(chunk)
+                    while (ev := events.next_event()) is not None:
                         data, trig, done, content, words = sp.take(ev)
                         if trig is not None:
                             raise AttemptFault(Fault.ERROR_EVENT, f"{name}: {words}")
