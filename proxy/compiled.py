@@ -15,7 +15,8 @@ Python, ``TOKENLANE_INTERPRETED=1``) runs the same sources interpreted.
 What compiled code does not allow, and the sources keep to: a class of these modules is not
 subclassed by interpreted code; a call passes the annotated types (checked at run time); a
 dataclass's field types are importable at run time; a dataclass made per request is given an
-``__init__`` of its own (the generated one stays interpreted: ``Profile``); a module-level
+``__init__`` of its own (the generated one stays interpreted: ``Profile``); an instance takes
+no weak reference (the fleet holds its ``cache_aware`` routers itself); a module-level
 name their functions read, theirs or imported from another of them, is ``Final`` (else every
 read is a lookup in the module's dict; ``tests/test_compiled.py`` holds it), so patching one
 from outside changes nothing compiled code reads. The access log's

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
 import math
 import random
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -232,6 +235,20 @@ class CountingStream(io.StringIO):
         super().flush()
 
 
+@contextlib.contextmanager
+def access_log(name: str, stream: io.StringIO) -> Iterator[tuple[logging.Logger, Any]]:
+    """A logger of its own at INFO, with the access log's handler over ``stream``."""
+    log = logging.getLogger(name)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    handler = accesslog.BatchedLines(stream)
+    log.addHandler(handler)
+    try:
+        yield log, handler
+    finally:
+        log.removeHandler(handler)
+
+
 @pytest.mark.parametrize("prefix", [None, "line "])
 async def test_access_lines_are_written_once_per_batch_and_a_refusal_at_once(
     prefix: str | None,
@@ -279,12 +296,7 @@ def test_a_batchs_lines_go_to_the_handler_in_one_call_in_order() -> None:
     """``accessline.write_lines`` (the recorder's, once a batch): the level asked once, the
     lines handed over together and written as ``write_line`` writes each; below INFO none."""
     stream = CountingStream()
-    log = logging.getLogger("tokenlane.access.test-lines")
-    log.propagate = False
-    log.setLevel(logging.INFO)
-    handler = accesslog.BatchedLines(stream)
-    log.addHandler(handler)
-    try:
+    with access_log("tokenlane.access.test-lines", stream) as (log, handler):
         accessline.write_lines([(a_call(f"r-{i}"), 0.1, 1.0) for i in range(3)], log)
         flush_lines(log)
         assert [json.loads(x)["request_id"] for x in stream.getvalue().splitlines()] == [
@@ -300,8 +312,6 @@ def test_a_batchs_lines_go_to_the_handler_in_one_call_in_order() -> None:
         accessline.write_lines([(a_call("r-9"), 0.1, 1.0)], log)
         flush_lines(log)
         assert "r-9" not in one.getvalue()
-    finally:
-        log.removeHandler(handler)
 
 
 class BrokenStream(io.StringIO):
@@ -348,18 +358,11 @@ def test_lines_held_for_a_batch_are_written_at_exit() -> None:
     """``logging.shutdown`` (at interpreter exit) flushes every handler: what a batch held when
     the process ended is written, as the stream's own buffer would have been."""
     stream = CountingStream()
-    log = logging.getLogger("tokenlane.access.test-exit")
-    log.propagate = False
-    log.setLevel(logging.INFO)
-    handler = accesslog.BatchedLines(stream)
-    log.addHandler(handler)
-    try:
+    with access_log("tokenlane.access.test-exit", stream) as (log, handler):
         write_line(a_call("r-1"), 0.1, 1.0, log)
         assert stream.writes == 0
         logging.shutdown([weakref.ref(handler)])
         assert json.loads(stream.getvalue())["request_id"] == "r-1"
-    finally:
-        log.removeHandler(handler)
 
 
 @pytest.mark.parametrize(
