@@ -4,8 +4,8 @@
 a method call by name (the method looked up on the type, its call built), some hundreds of
 instructions for a header name of a dozen bytes, and a request lowers a few dozen names on its
 way through (its own headers, the replica's, the answer's). ``translate`` with a table is the
-same mapping and one of mypyc's own operations (``tests/test_headers.py`` holds the two equal
-for every byte).
+same mapping and one of mypyc's own operations (``tests/test_bytesearch.py`` holds the two
+equal for every byte).
 """
 
 from __future__ import annotations

@@ -62,9 +62,6 @@ async def serve_app(app: Any, *, host: str = "127.0.0.1", **config: Any) -> Asyn
     """Serve ``app`` with uvicorn on a free loopback port in the running loop; yield its URL."""
     sock = bound_socket(host)
     port = sock.getsockname()[1]
-    # ASGI 3 said, not guessed: the gateway's app returns its handler's coroutine rather than
-    # being a coroutine function, which uvicorn would take for ASGI 2 (``serve.uvicorn_config``).
-    config.setdefault("interface", "asgi3")
     cfg = uvicorn.Config(app, log_level="warning", lifespan="on", **config)
     server = _QuietServer(cfg)
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -177,6 +177,7 @@ def test_done_is_told_without_a_parse_and_a_choice_that_is_no_object_notes_nothi
     assert sp.parse(b"data: [DONE]") == (parse_event(b"data: [DONE]"), b"data: [DONE]")
     assert sp.observe({"id": "c", "choices": ["x"]}) is None  # not vLLM's: nothing noted
     assert (sp.ids, sp.text_ids, sp.finish_reason) == ([], 0, None)
+    assert sp.refusal(1, 100_000) is Refusal.MALFORMED  # and its ids are not trusted
 
 
 def test_strip_ids_common_end_is_the_scans_result() -> None:

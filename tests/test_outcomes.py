@@ -190,6 +190,20 @@ def test_a_recorded_call_counts_and_teaches_only_what_it_carries(
     assert len(learner.seen) == lessons
 
 
+def test_a_record_that_cannot_be_written_costs_its_batch_not_every_later_one() -> None:
+    # Its line made at the batch's end: the error is raised there once, and the next batch is
+    # written as ever (nothing of the failed one is held to fail again).
+    stream = CountingStream()
+    with access_log("tokenlane.access", stream):
+        recorder = Recorder(Metrics(), Lessons())
+        recorder(a_call("r-bad", usage={"prompt_tokens": object()}), 0.5, 1.0)
+        with pytest.raises(TypeError):
+            recorder.batch_done()
+        recorder(a_call("r-good"), 0.5, 1.0)
+        recorder.batch_done()
+        assert [json.loads(x)["request_id"] for x in stream.getvalue().splitlines()] == ["r-good"]
+
+
 def test_a_batch_is_added_to_its_series_at_its_end_each_value_counted() -> None:
     """Counts and observations of one batch are held until ``batch_done``, then added: every
     request counted, every value in its bucket and the sum, as one by one."""
@@ -237,16 +251,19 @@ class CountingStream(io.StringIO):
 
 @contextlib.contextmanager
 def access_log(name: str, stream: io.StringIO) -> Iterator[tuple[logging.Logger, Any]]:
-    """A logger of its own at INFO, with the access log's handler over ``stream``."""
+    """The logger ``name`` at INFO with the access log's handler over ``stream`` alone, put
+    back as it was afterwards."""
     log = logging.getLogger(name)
+    was = (log.propagate, log.level, log.handlers[:])
     log.propagate = False
     log.setLevel(logging.INFO)
     handler = accesslog.BatchedLines(stream)
-    log.addHandler(handler)
+    log.handlers[:] = [handler]
     try:
         yield log, handler
     finally:
-        log.removeHandler(handler)
+        log.propagate, log.handlers[:] = was[0], was[2]
+        log.setLevel(was[1])
 
 
 @pytest.mark.parametrize("prefix", [None, "line "])

@@ -30,6 +30,11 @@ CLIENT_GONE: Final = "tokenlane.client_gone"
 # coroutine and its message dict, on the way to the replica).
 DIRECT_BODY: Final = "tokenlane.direct_body"
 
+# Not an extension but an app's offer to the server: a method of this name, called with the ASGI
+# arguments, returns the coroutine that serves the request (the app's ``__call__`` awaits it);
+# the server creates the request's task from it directly, with no frame of the app's between.
+DIRECT_APP: Final = "serve_direct"
+
 
 class BodyWriter(Protocol):
     def start(self, send: Callable[..., Any], message: Mapping[str, Any]) -> bool:
@@ -86,6 +91,7 @@ class ClientGoneHook:
 
 __all__ = [
     "CLIENT_GONE",
+    "DIRECT_APP",
     "DIRECT_BODY",
     "START_BODY",
     "START_MORE_BODY",

@@ -40,7 +40,13 @@ from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
 from proxy.config import Policy, ServerConfig
-from proxy.edge.asgi_ext import CLIENT_GONE, DIRECT_BODY, START_WITH_BODY, ClientGoneHook
+from proxy.edge.asgi_ext import (
+    CLIENT_GONE,
+    DIRECT_APP,
+    DIRECT_BODY,
+    START_WITH_BODY,
+    ClientGoneHook,
+)
 from proxy.edge.bounds import (
     BODY,
     HEAD,
@@ -174,7 +180,8 @@ class GatewayProtocol:
         if not config.loaded:
             config.load()
         self.config: Any = config
-        self.app: Any = config.loaded_app
+        # The app's direct entry where it offers one (``asgi_ext.DIRECT_APP``), else the app.
+        self.app: Any = getattr(config.loaded_app, DIRECT_APP, config.loaded_app)
         self.loop: asyncio.AbstractEventLoop = _loop or asyncio.get_event_loop()
         self.server_state: Any = server_state
         self.connections: set[Any] = server_state.connections

@@ -328,7 +328,8 @@ class RelayEndpoint:
             guard = self.guard
             key = guard.authenticate(sc["headers"]) if guard.enabled else None
             limit = gw.policy.server.max_body_bytes
-            ext: dict[str, Any] = sc.get("extensions") or _NO_EXTENSIONS
+            given = sc.get("extensions") or _NO_EXTENSIONS
+            ext: dict[str, Any] = given if type(given) is dict else dict(given)
             writer = ext.get(DIRECT_BODY)
             raw = writer.take_body() if writer is not None else None
             if raw is None:

@@ -184,11 +184,15 @@ class GatewayApp:
         # header, an open redirect before authentication. An unknown path is a plain 404.
         self.starlette.router.redirect_slashes = False
 
-    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        """ASGI 3 (the server is told so: ``serve.uvicorn_config``), but not a coroutine
-        function: a relayed path's handler is called here and its coroutine returned, for the
-        server to await with nothing of this module between. As a coroutine, this and
-        ``_dispatch`` were two interpreted frames resumed every time the request's task was."""
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.serve_direct(scope, receive, send)
+
+    def serve_direct(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """``__call__``'s work as a plain function that returns the request's coroutine: a
+        relayed path's handler is called here and its coroutine returned, for the server to
+        await with no frame of this module between. The gateway's server takes it in place of
+        ``__call__`` (``asgi_ext.DIRECT_APP``): as coroutines, ``__call__`` and ``_dispatch``
+        were two interpreted frames resumed every time the request's task was."""
         if scope["type"] == "http" and not self.gateway.policy.server.cors_allowed_origins:
             handler = self.fast.get(scope["path"])
             if handler is not None:

@@ -49,9 +49,6 @@ def uvicorn_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
         # interface without the base (a native class cannot subclass an interpreted one).
         http=cast("type[asyncio.Protocol]", GatewayProtocol),
         lifespan="on",
-        # Said, not guessed: the app's ``__call__`` returns its handler's coroutine rather than
-        # being a coroutine function (``routes.GatewayApp``), which uvicorn would take for ASGI 2.
-        interface="asgi3",
         access_log=False,  # the gateway writes its own JSON access log
         proxy_headers=False,  # one ASGI layer less per chunk; client IPs are the peers
         log_level="warning",

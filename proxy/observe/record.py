@@ -104,8 +104,10 @@ class Recorder:
             observed.clear()
         ended = self._ended
         if ended:
+            # Taken before it is written: a record that cannot be made (raising here) costs
+            # this batch's lines, not every later batch's.
+            self._ended = []
             write_lines(ended)
-            ended.clear()
         flush_lines()
 
 

@@ -1,5 +1,5 @@
-/* bytes.find and bytes.rfind for exact bytes, called as plain functions: sse.find's and
- * sse.rfind's contract (proxy/relay/sse.py), written again in C for the compiled build.
+/* bytes.find and bytes.rfind for exact bytes, called as plain functions: sse.FIND's and
+ * sse.RFIND's contract (proxy/relay/sse.py), written again in C for the compiled build.
  *
  * Why: compiled by mypyc, ``data.find(sub, start, end)`` is a method call by name: the method
  * looked up on the type, its arguments packed in a tuple and parsed back by a format string

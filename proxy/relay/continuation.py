@@ -461,6 +461,7 @@ class Splice:
         "id",
         "kind",
         "lists",
+        "malformed",
         "max_tokens",
         "model",
         "reasoning_open",
@@ -499,6 +500,7 @@ class Splice:
         self.finish_reason: str | None = None
         self.reasoning_open = False
         self.tool_call = False
+        self.malformed = False  # a chunk of another shape was seen: no continuation
         self.seams: list[dict[str, Any]] = []
         self.deadline: float | None = None  # the request's, event loop time
         self.failure: FailureKind | None = None  # the first replica's, told to the fleet
@@ -565,7 +567,10 @@ class Splice:
             return None
         choice = choices[0]
         if not isinstance(choice, dict):
-            return None  # not vLLM's shape; and, narrowed, ``get`` compiles to the dict's own
+            # Not vLLM's shape: relayed, but its ids can no longer be trusted (and, narrowed
+            # below, ``get`` compiles to the dict's own).
+            self.malformed = True
+            return None
         if self._prompt is None:
             p = choice.get("prompt_token_ids")  # completions put them on the choice
             if isinstance(p, list):
@@ -708,6 +713,8 @@ class Splice:
 
     def refusal(self, max_attempts: int, max_seq_len: int) -> Refusal | None:
         """Why the stream, failed now, cannot be continued; None when it can."""
+        if self.malformed:
+            return Refusal.MALFORMED
         if self.tool_call:
             return Refusal.TOOLS
         if self.reasoning_open:

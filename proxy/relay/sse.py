@@ -50,7 +50,9 @@ def _native_search() -> tuple[Search, Search]:
     return find, rfind
 
 
-# FIND(data, sub, start, end): ``data.find(sub, start, end)``; RFIND: ``data.rfind(...)``.
+# FIND(data, sub, start, end): ``data.find(sub, start, end)``; RFIND: ``data.rfind(...)``. For
+# exact bytes only (the C functions refuse a bytearray or memoryview with a TypeError): what the
+# relay searches is a socket's read, its slices and joins.
 _SEARCH: Final = _native_search()
 FIND: Final = _SEARCH[0]
 RFIND: Final = _SEARCH[1]
