@@ -14,7 +14,7 @@ interpreted (``TOKENLANE_INTERPRETED=1``): compiled functions cannot be wrapped.
     python -m loadtest.bench_inplace [--function module:Qualified.name ...]
         [--continuation on|off] [--streams 256] [--runs 2] [--tree PATH]
 
-By default it times the token relay's per-chunk functions: ``Splice.take_chunk`` and the two
+By default it times the token relay's per-chunk functions: ``Splice.take_token`` and the two
 pump handlers (an eligible stream's, ``_TokenRelay``; a plain one's, ``_Relayed``). ``--tree``
 runs the gateway from another source tree (a git worktree), to compare two builds.
 """
@@ -33,7 +33,7 @@ from .bench_overhead import fleet, paced_run
 
 SITE = Path(__file__).parent / "inplace"
 DEFAULT_FUNCTIONS = [
-    "proxy.relay.continuation:Splice.take_chunk",
+    "proxy.relay.continuation:Splice.take_token",
     "proxy.relay.resume:_TokenRelay.__call__",
     "proxy.relay.respond:_Relayed.__call__",
 ]

@@ -77,14 +77,15 @@ def per_event_path(
 
 def per_token_chunk(target_s: float) -> float:
     """µs per event of the unparsed path: an ordinary token chunk of the stream's learned
-    template (``Splice.take_chunk``: its ids noted, then nulled)."""
+    template (``Splice.take_token``, as the relay's handler takes each token: its ids noted,
+    then nulled)."""
     splice = cont.Splice("chat", {"messages": [], "stream": True}, False)
     splice.learn_template(CHUNK, json.loads(CHUNK[6:]))
     events = sse.EventBuffer()
     data = CHUNK + b"\n\n"
 
     def one() -> None:
-        token = splice.take_chunk(data, True) if events.empty else None
+        token = splice.take_token(data, True) if events.empty else None
         assert token is not None
         del splice.lists[:]
 

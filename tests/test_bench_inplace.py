@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_each_named_function_is_timed_where_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
     names = [
-        "proxy.relay.continuation:Splice.take_chunk",
+        "proxy.relay.continuation:Splice.take_token",
         "proxy.relay.resume:_TokenRelay.__call__",
     ]
     options = ["--streams", "4", "--runs", "1", "--tree", str(ROOT)]

@@ -22,11 +22,14 @@ from proxy.policyfile import build_policy
 from proxy.relay.call import Attempt, Call
 from proxy.relay.continuation import (
     SCAN,
+    TAKE,
+    Shapes,
     Splice,
     ids_end,
     plain_ids,
     scan_events,
     strip_ids,
+    take_token,
 )
 from proxy.relay.resume import _TokenRelay
 from proxy.relay.sse import EventBuffer
@@ -131,6 +134,33 @@ def test_only_ordinary_token_chunks_go_unparsed(event: bytes, kind: str, taken: 
     assert found is not None
     assert found[0] == event + b"\n\n"  # relayed as it came: the client asked for the ids
     assert (found[1], sp.ids) == taken
+
+
+def test_a_token_with_text_is_taken_alone_and_one_without_is_left_to_take_chunk() -> None:
+    """``take_token`` (the relay's every token) notes what ``take_chunk`` notes of a chunk
+    with text and makes only the event; a chunk without text, or anything that is not one
+    token chunk, it leaves untouched."""
+    sp = learned()  # [7], parsed
+    plain = chat_chunk(" b", [9, 10]) + b"\n\n"
+    assert sp.take_token(plain, True) == strip_ids(plain[:-2]) + b"\n\n"
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10], 3)
+    assert sp.take_token(plain, False) is plain  # the client asked for the ids: as it came
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10, 9, 10], 5)
+    assert sp.lists[1:] == [bytearray(b"9,10,9,10")]  # token after token: one bytearray
+    no_text = chat_chunk("", [240]) + b"\n\n"
+    others = [no_text, plain[:-1], plain + plain, chat_chunk("", [], "stop") + b"\n\n"]
+    for other in others:
+        assert sp.take_token(other, True) is None, other
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10, 9, 10], 5)  # nothing noted
+    assert sp.take_chunk(no_text, True) == (strip_ids(no_text[:-2]) + b"\n\n", False)
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10, 9, 10, 240], 5)
+    # After a token without text, the next with text starts a bytearray of its own: the
+    # shown ids end where a list does.
+    assert sp.take_token(chat_chunk("🙂", [128]) + b"\n\n", True) is not None
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10, 9, 10, 240, 128], 7)
+    assert sp.take_token(plain, True) is not None
+    assert (sp.ids, sp.text_ids) == ([7, 9, 10, 9, 10, 240, 128, 9, 10], 9)  # read again: grown
+    assert Splice("chat", BODY, False).take_token(plain, True) is None  # no template yet
 
 
 def test_two_events_in_one_read_are_not_one_token_chunk_but_each_is_one() -> None:
@@ -394,15 +424,19 @@ class _Writer:
         return True
 
 
-def _token_relay(wants_usage: bool) -> tuple[Any, Splice, _Writer]:
+def _token_relay(
+    wants_usage: bool, shapes: Shapes | None = None, role: bytes | None = None
+) -> tuple[Any, Splice, _Writer]:
     """An eligible stream's pump handler after its start, as ``Resumer.relay`` makes it."""
     policy = build_policy(policy_for({"p": ["http://127.0.0.1:9"]}))
     call = Call(request_id="r", kind="chat", path="/v1/chat/completions", body=b"{}",
                 headers=[], stream=True, model="m", lane=policy.lanes[0], profile=None,
                 wants_usage=wants_usage, received_at=0.0)  # fmt: skip
     replica = make_replica("p", policy.pools["p"].replicas[0], {})
-    sp = Splice("chat", BODY, wants_usage)
-    sp.observe(json.loads(chat_chunk("", [], prompt_token_ids=[1, 2])[6:]))  # the role chunk
+    sp = Splice("chat", BODY, wants_usage, shapes)
+    if role is None:
+        role = chat_chunk("", [], prompt_token_ids=[1, 2])
+    sp.observe(json.loads(role[6:]))  # the role chunk
     writer = _Writer()
     call.body_writer = writer
     flow = _TokenRelay(call, Attempt(replica, None), Metrics(), sp, EventBuffer(), strip=True)
@@ -446,6 +480,113 @@ def test_the_pump_handler_notes_and_writes_single_events_that_decide_nothing() -
     assert sp.ids == [7, 8, 9] and sp.finish_reason == "stop" and len(writer.written) == 5
 
 
+def _of_stream(chunk: bytes, n: int) -> bytes:
+    """``chunk`` as stream ``n`` sends it: its own id and created."""
+    return chunk.replace(b'"chatcmpl-1"', b'"chatcmpl-%d"' % n).replace(
+        b'"created":1,', b'"created":%d,' % (1000 + n)
+    )
+
+
+def test_a_stream_takes_its_first_token_unparsed_with_a_template_made_from_the_last() -> None:
+    """The template learned by one stream is kept without its id and created (``Shapes``):
+    the next stream of the model makes its own from its role chunk, and its first token goes
+    unparsed. A chunk of another stream (another id) does not match it."""
+    shapes = Shapes()
+    role = chat_chunk("", [], prompt_token_ids=[1, 2])
+    flow, sp, _ = _token_relay(False, shapes, role)
+    assert sp.head is None  # nothing kept yet: the first token is parsed, and learned
+    first = chat_chunk(" a", [8]) + b"\n\n"
+    assert flow(first) is None and sp.head is not None and not sp.guessed
+    flow2, sp2, writer2 = _token_relay(False, shapes, _of_stream(role, 2))
+    assert sp2.guessed and sp2.head == _of_stream(sp.head, 2) and sp2.tail == sp.tail
+    assert sp2.take_token(first, True) is None  # stream 1's chunk: its id is not stream 2's
+    mine = _of_stream(first, 2)
+    assert flow2(mine) is None
+    assert writer2.written == [strip_ids(mine[:-2]) + b"\n\n"]
+    assert (sp2.ids, sp2.text_ids, sp2.guessed) == ([8], 1, False)
+    # Another model, or an id a writer escapes: nothing made.
+    other = _of_stream(role, 3).replace(b'"model":"m"', b'"model":"m2"')
+    assert _token_relay(False, shapes, other)[1].head is None
+    quoted = _of_stream(role, 4).replace(b'"chatcmpl-4"', b'"chat\\"cmpl"')
+    assert json.loads(quoted[6:])["id"] == 'chat"cmpl'
+    assert _token_relay(False, shapes, quoted)[1].head is None
+
+
+HEAD = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+HEAD += b'"choices":[{"index":0,"delta":{"content":"'
+TAIL = b'"},"logprobs":null,"finish_reason":null,"token_ids":['
+
+
+@pytest.mark.parametrize(
+    ("head", "chunk_id", "created", "kept"),
+    [
+        (HEAD, "chatcmpl-1", 1, True),
+        (HEAD, "chatcmpl-2", 1, False),  # the head is not of this id
+        (HEAD, "chatcmpl-1", 2, False),  # nor of this created
+        (HEAD, "chatcmpl-1", True, False),  # a bool is no created
+        (HEAD, "chatcmpl-1", 1.0, False),
+        (HEAD.replace(b"chatcmpl-1", b'chat\\"1'), 'chat"1', 1, False),  # escaped
+        (HEAD.replace(b"chatcmpl-1", b"chat\\u00011"), "chat\x011", 1, False),
+        (HEAD.replace(b'"created":1,', b'"created": 1,'), "chatcmpl-1", 1, False),
+        (HEAD.replace(b'"created":1,', b'"created":1.0,'), "chatcmpl-1", 1, False),
+        (HEAD.replace(b'"created":1,', b'"created":10,'), "chatcmpl-1", 1, False),
+        (HEAD.replace(b'"model":"m"', b'"model":"m","created":1'), "chatcmpl-1", 1, False),
+        (b"data: " + HEAD[7:], "chatcmpl-1", 1, False),  # the id not first
+        (HEAD.replace(b'"m"', b'"' + b"m" * 5000 + b'"'), "chatcmpl-1", 1, False),  # too big
+    ],
+)
+def test_a_template_is_kept_only_with_its_id_first_and_its_one_created(
+    head: bytes, chunk_id: Any, created: Any, kept: bool
+) -> None:
+    shapes = Shapes()
+    model = "m" * 5000 if b"m" * 5000 in head else "m"
+    shapes.learn("chat", model, chunk_id, created, head, TAIL)
+    made = shapes.made("chat", model, "chatcmpl-9", 9)
+    if not kept:
+        assert made is None
+        return
+    assert made == (HEAD.replace(b"chatcmpl-1", b"chatcmpl-9").replace(b":1,", b":9,"), TAIL)
+    # A new stream's id a writer would escape, or a created that is no int: nothing made.
+    for bad_id, bad_created in [('a"b', 9), ("a\\b", 9), ("a\nb", 9), ("\ud800", 9),
+                                ("x", True), ("x", "9"), (None, 9)]:  # fmt: skip
+        assert shapes.made("chat", "m", bad_id, bad_created) is None, (bad_id, bad_created)
+    assert shapes.made("completion", "m", "x", 9) is None  # another kind
+    assert shapes.made("chat", "é", "x", 9) is None  # another model
+    assert shapes.made("chat", "m", "é-1", 9) is not None  # UTF-8, as vLLM writes it
+
+
+def test_templates_kept_are_bounded() -> None:
+    shapes = Shapes()
+    for i in range(300):
+        shapes.learn("chat", f"m{i}", "chatcmpl-1", 1, HEAD, TAIL)
+    assert shapes.made("chat", "m299", "x", 2) is not None
+    assert shapes.made("chat", "m0", "x", 2) is None  # the memory started over past 256
+
+
+def test_a_made_template_no_chunk_matches_is_replaced_by_the_streams_own() -> None:
+    """A replica that writes its chunks otherwise (here its keys in another order) matches
+    no made template: its first token is parsed and the stream learns its own, which is kept
+    for the next stream in its place."""
+    shapes = Shapes()
+    role = chat_chunk("", [], prompt_token_ids=[1, 2])
+    flow, sp, _ = _token_relay(False, shapes, role)
+    assert flow(chat_chunk(" a", [8]) + b"\n\n") is None
+    other = {"object": "chat.completion.chunk", "id": "chatcmpl-5", "created": 1005, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": " b"}, "logprobs": None,
+                          "finish_reason": None, "token_ids": [9]}]}  # fmt: skip
+    theirs = compact(other) + b"\n\n"
+    flow5, sp5, writer5 = _token_relay(False, shapes, _of_stream(role, 5))
+    assert sp5.guessed
+    assert sp5.take_token(theirs, True) is None
+    assert flow5(theirs) is None  # parsed, noted, and its template learned
+    assert (sp5.ids, sp5.text_ids, sp5.guessed) == ([9], 1, False)
+    assert sp5.head is not None and sp5.head.startswith(b'data: {"object"')
+    assert writer5.written == [strip_ids(theirs[:-2]) + b"\n\n"]
+    assert sp5.take_token(theirs, True) is not None  # the next token: unparsed
+    # Its template has no id first, so it is not kept; the earlier one stays.
+    assert _token_relay(False, shapes, _of_stream(role, 6))[1].head == _of_stream(sp.head, 6)
+
+
 def test_token_chunks_that_came_in_one_read_go_out_in_one_write_and_the_rest_is_handed_back() -> (
     None
 ):
@@ -478,8 +619,10 @@ def test_token_chunks_that_came_in_one_read_go_out_in_one_write_and_the_rest_is_
 def test_the_compiled_build_scans_in_c() -> None:
     if compiled.status.startswith("compiled"):
         assert SCAN is not scan_events  # the C module came with the build
+        assert TAKE is not take_token
     else:
         assert SCAN is scan_events
+        assert TAKE is take_token
 
 
 def _c_scan() -> Any:
@@ -528,6 +671,65 @@ def test_the_c_scan_gives_what_the_python_scan_gives(kind: str) -> None:
             for single in (False, True):
                 args = (data, start, head, tail, strip, single)
                 assert native(*args) == scan_events(*args), args
+
+
+def _c_take() -> Any:
+    if TAKE is take_token:
+        pytest.skip(f"no C take: the gateway runs {compiled.status}")
+    return TAKE
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_c_take_gives_and_notes_what_the_python_take_does(kind: str) -> None:
+    native = _c_take()
+    head, tail = TEMPLATES[kind]
+    rng = random.Random(17)
+    for _ in range(30_000):
+        events = [_event(rng, head, tail) for _ in range(rng.choice([1, 1, 1, 2]))]
+        data = b"".join(events)
+        # Noted before: nothing, a parsed chunk's list, a scanned chunk's bytes, a taken
+        # token's bytearray (which the next one's ids extend).
+        before = rng.choice([[], [[1]], [b"1"], [bytearray(b"1,2")]])
+        for strip in (False, True):
+            noted_c: list[Any] = [bytearray(x) if isinstance(x, bytearray) else x for x in before]
+            noted_py: list[Any] = [bytearray(x) if isinstance(x, bytearray) else x for x in before]
+            got = native(data, head, tail, strip, noted_c)
+            assert got == take_token(data, head, tail, strip, noted_py), (data, strip)
+            assert noted_c == noted_py, (data, strip)
+            assert [type(x) for x in noted_c] == [type(x) for x in noted_py]
+            if got is not None and not strip:
+                assert got is data  # nothing made when nothing is stripped
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(
+    data=st.binary(max_size=300), head=st.binary(max_size=8), tail=st.binary(max_size=8),
+    strip=st.booleans(),
+)  # fmt: skip
+def test_the_c_take_takes_any_bytes_as_python_does(
+    data: bytes, head: bytes, tail: bytes, strip: bool
+) -> None:
+    native = _c_take()
+    noted_c: list[Any] = []
+    noted_py: list[Any] = []
+    got = native(data, head, tail, strip, noted_c)
+    assert got == take_token(data, head, tail, strip, noted_py)
+    assert noted_c == noted_py
+
+
+def test_the_c_take_refuses_what_is_not_bytes_or_a_list() -> None:
+    native = _c_take()
+    head, tail = TEMPLATES["chat"]
+    event = head + b"x" + tail + b"1]}]}\n\n"
+    assert native(event, head, tail, True, []) is not None
+    for bad in (
+        (event.decode(), head, tail, True, []),
+        (bytearray(event), head, tail, True, []),
+        (event, head, tail, True, ()),  # the ids go into a list
+        (event, head, tail, True),
+    ):
+        with pytest.raises(TypeError):
+            native(*bad)
 
 
 @pytest.mark.parametrize("bad_at", [None, 0, 127, 128, 129, 250])

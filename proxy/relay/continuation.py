@@ -240,6 +240,99 @@ _CHOICE_KEYS: Final = frozenset(("index", "delta", "text", "logprobs", "finish_r
 _NULL_KEYS: Final = ("logprobs", "finish_reason", "stop_reason", "prompt_token_ids")
 
 
+# A stream's template differs from the last stream's of its model only in the chunk's id and
+# created: the template learned once is kept with those two cut out (``Shapes``), and a new
+# stream's is made from its role chunk's id and created, so that its first token goes
+# unparsed too. Whatever matches a made template is a chunk of a checked shape with this
+# stream's id and created; one that does not is parsed, and the stream learns its own.
+_ID_AT: Final = b'data: {"id":"'
+_CREATED_KEY: Final = b'"created":'
+_SHAPES_KEPT: Final = 256  # models x kinds a gateway serves; past it the memory starts over
+_SHAPE_BYTES: Final = 4096  # a template's head and tail (vLLM's: about 150 bytes)
+
+
+def _plain_id(value: object) -> bytes | None:
+    """``value`` as the bytes inside its JSON string as vLLM writes it (UTF-8, unescaped),
+    when it holds no quote, backslash or control character (which a writer escapes: held raw
+    in a made head, it would let a chunk a parse splits or refuses match); else None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        b = value.encode()
+    except UnicodeEncodeError:
+        return None  # a lone surrogate: no writer writes it raw
+    n = len(b)
+    if FIND(b, b'"', 0, n) >= 0 or FIND(b, b"\\", 0, n) >= 0:
+        return None
+    for c in b:
+        if c < 0x20:
+            return None
+    return b
+
+
+def _plain_created(value: object) -> bytes | None:
+    """``value`` as JSON writes an int; None for anything else (a bool included)."""
+    if type(value) is not int:
+        return None
+    return str(value).encode()
+
+
+class Shapes:
+    """The token-chunk templates learned by earlier streams, by kind and model, each with its
+    chunk's id and created cut out: ``made`` puts a new stream's in. One per relay (a
+    process's streams); passed to each ``Splice``."""
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        # (kind, model) -> (the head between id and created, the head after created, tail)
+        self._kept: dict[tuple[str, str], tuple[bytes, bytes, bytes]] = {}
+
+    def learn(
+        self, kind: str, model: object, chunk_id: object, created: object, head: bytes,
+        tail: bytes,
+    ) -> None:  # fmt: skip
+        """Keep a template learned from a chunk with this id and created, when its head is
+        ``data: {"id":"<id>"`` and holds the one ``"created":<created>``."""
+        ib = _plain_id(chunk_id)
+        cb = _plain_created(created)
+        if not isinstance(model, str) or ib is None or cb is None:
+            return
+        if not head.startswith(_ID_AT) or not head.startswith(b'"', len(_ID_AT) + len(ib)):
+            return
+        if not head.startswith(ib, len(_ID_AT)):
+            return
+        n = len(head)
+        at = FIND(head, _CREATED_KEY, 0, n)
+        if at < 0 or RFIND(head, _CREATED_KEY, 0, n) != at:
+            return
+        at += len(_CREATED_KEY)
+        end = at + len(cb)
+        if not head.startswith(cb, at) or end >= n or head[end] not in b",}":
+            return
+        if len(head) + len(tail) > _SHAPE_BYTES:
+            return  # a replica's model name of any size is not kept
+        if len(self._kept) >= _SHAPES_KEPT:
+            self._kept.clear()
+        self._kept[(kind, model)] = (head[len(_ID_AT) + len(ib) : at], head[end:], tail)
+
+    def made(
+        self, kind: str, model: object, chunk_id: object, created: object
+    ) -> tuple[bytes, bytes] | None:
+        """The head and tail of a stream of ``kind`` whose chunks carry this model, id and
+        created, made from the template kept for them; None when there is none."""
+        if not isinstance(model, str):
+            return None
+        kept = self._kept.get((kind, model))
+        if kept is None:
+            return None
+        ib = _plain_id(chunk_id)
+        cb = _plain_created(created)
+        if ib is None or cb is None:
+            return None
+        return _ID_AT + ib + kept[0] + cb + kept[1], kept[2]
+
+
 def ids_end(data: bytes, i: int, n: int) -> int:
     """Where the ids from ``data[i]`` (before ``n``) end, as vLLM writes a ``token_ids`` list:
     each id 1 to 18 digits (a hostile upstream's 5,000-digit "id" is parsed, and refused there,
@@ -424,6 +517,32 @@ def scan_events(
     return out, b",".join(lists), stop, text
 
 
+def take_token(
+    data: bytes, head: bytes, tail: bytes, strip: bool, lists: list[Any]
+) -> bytes | None:
+    """``scan_events(data, 0, head, tail, strip, True)`` of a read that is one token chunk
+    with text, as the relay meets one for every token: its ids (when there are any) added to
+    ``lists``, to the bytearray that ends it (comma-joined, as ``scan_events`` joins a run's)
+    or in a new one, and the event as the client gets it returned. None when the read is not
+    such a chunk (a chunk without text included: ``scan_events`` takes that one).
+
+    The contract of ``_tokenscan.take`` (``TAKE``), which makes nothing but the event: no
+    tuple, no int (``tests/test_token_event.py`` holds the two to the same results)."""
+    got = scan_events(data, 0, head, tail, strip, True)
+    if got is None or not got[3]:
+        return None
+    ids = got[1]
+    if ids:
+        # Token after token, one growing bytearray: a list entry per token was an object
+        # made and freed per token (callgrind: about a sixth of the eligible stream's extra).
+        last = lists[-1] if lists else None
+        if type(last) is bytearray:
+            last += b"," + ids
+        else:
+            lists.append(bytearray(ids))
+    return got[0]
+
+
 def _native_scan() -> Callable[[bytes, int, bytes, bytes, bool, bool], Scanned | None]:
     """``scan_events`` in C when the compiled build is in use (``proxy/compiled.py`` finds
     ``proxy.relay._tokenscan`` in it), else in Python."""
@@ -434,7 +553,17 @@ def _native_scan() -> Callable[[bytes, int, bytes, bytes, bool, bool], Scanned |
     return scan
 
 
+def _native_take() -> Callable[[bytes, bytes, bytes, bool, list[Any]], bytes | None]:
+    """``take_token`` in C with the compiled build, as ``_native_scan``."""
+    try:
+        from proxy.relay._tokenscan import take
+    except ImportError:
+        return take_token
+    return take
+
+
 SCAN: Final = _native_scan()
+TAKE: Final = _native_take()
 
 
 class Splice:
@@ -446,7 +575,8 @@ class Splice:
 
     Both are read only at a seam or the end, so each chunk's ids are kept as they came
     (``lists``) and decoded when read: a token chunk then costs a slice and an append, not
-    an ``int`` (about 0.6 µs a chunk in the gateway under 256 paced streams)."""
+    an ``int`` (about 0.6 µs a chunk in the gateway under 256 paced streams); tokens with
+    text taken one after another (``take_token``) share one bytearray."""
 
     __slots__ = (
         "_decoded",
@@ -457,6 +587,7 @@ class Splice:
         "deadline",
         "failure",
         "finish_reason",
+        "guessed",
         "head",
         "id",
         "kind",
@@ -466,6 +597,7 @@ class Splice:
         "model",
         "reasoning_open",
         "seams",
+        "shapes",
         "shown",
         "system_fingerprint",
         "tail",
@@ -473,8 +605,11 @@ class Splice:
         "wants_usage",
     )
 
-    def __init__(self, kind: str, body: dict[str, Any], wants_usage: bool) -> None:
+    def __init__(
+        self, kind: str, body: dict[str, Any], wants_usage: bool, shapes: Shapes | None = None
+    ) -> None:
         self.kind = kind
+        self.shapes = shapes  # the relay's templates: this stream's made from them, and kept
         self.body = body
         self.wants_usage = wants_usage
         self.client_wants_ids = body.get("return_token_ids") is True
@@ -489,10 +624,11 @@ class Splice:
         self._prompt: bytes | list[int] | None = None
         # Each chunk's ids as noted: the bytes inside its list ("12" or "12,13", checked as
         # vLLM writes ids) for a chunk read unparsed, the list itself for a parsed one.
-        self.lists: list[bytes | list[Any]] = []
+        self.lists: list[bytes | bytearray | list[Any]] = []
         self.shown = 0  # how many of ``lists`` came in a chunk with text, or the finish
-        # (how many lists, shown, ids, text ids) when last decoded: a seam reads them often
-        self._decoded: tuple[int, int, list[int], int] | None = None
+        # (how many lists, shown, the last bytearray's size, ids, text ids) when last decoded:
+        # a seam reads them often
+        self._decoded: tuple[int, int, int, list[int], int] | None = None
         self.id: Any = None
         self.created: Any = None
         self.model: Any = None
@@ -506,6 +642,7 @@ class Splice:
         self.failure: FailureKind | None = None  # the first replica's, told to the fleet
         self.head: bytes | None = None  # the stream's token-chunk template (learn_template)
         self.tail = b""
+        self.guessed = False  # ``head`` made from ``shapes``, no chunk taken with it yet
 
     # -- the first segment -----------------------------------------------------------------
 
@@ -556,6 +693,12 @@ class Splice:
             self.id = obj.get("id")
             self.created = obj.get("created")
             self.model = obj.get("model")
+            shapes = self.shapes
+            if shapes is not None and self.head is None:
+                made = shapes.made(self.kind, self.model, self.id, self.created)
+                if made is not None:
+                    self.head, self.tail = made
+                    self.guessed = True
         fp = obj.get("system_fingerprint")
         if fp is not None and self.system_fingerprint is None:
             self.system_fingerprint = fp
@@ -609,32 +752,39 @@ class Splice:
 
     def _decode(self) -> tuple[list[int], int]:
         # A seam reads ``text_ids`` several times with nothing noted in between: decoded once.
-        n, shown = len(self.lists), self.shown
+        lists = self.lists
+        n, shown = len(lists), self.shown
+        # A bytearray at the end grows as tokens are taken (``take_token``): its size is
+        # part of what was decoded.
+        grown = len(lists[-1]) if n and isinstance(lists[-1], bytearray) else -1
         memo = self._decoded
-        if memo is not None and memo[0] == n and memo[1] == shown:
-            return memo[2], memo[3]
+        if memo is not None and memo[0] == n and memo[1] == shown and memo[2] == grown:
+            return memo[3], memo[4]
         ids: list[int] = []
         text = 0
-        for i, one in enumerate(self.lists):
+        for i, one in enumerate(lists):
             if i == shown:
                 text = len(ids)
-            if isinstance(one, bytes):
+            if isinstance(one, (bytes, bytearray)):
                 ids.extend(map(int, one.split(b",")))
             else:
                 ids.extend(one)
         if shown >= n:
             text = len(ids)
-        self._decoded = (n, shown, ids, text)
+        self._decoded = (n, shown, grown, ids, text)
         return ids, text
 
     def learn_template(self, event: bytes, obj: dict[str, Any]) -> None:
         """Take this stream's token-chunk head and tail from ``event`` (parsed as ``obj``)
         when it is an ordinary token chunk whose text holds no quote or backslash."""
-        if not _keys_within(obj, _TOP_KEYS) or not event.endswith(_TOKEN_END):
+        # The bytes first: the role chunk, met by every stream, leaves at its prompt ids.
+        if not event.endswith(_TOKEN_END):
             return
         n = len(event)
         if FIND(event, _PROMPT_IDS, 0, n) >= 0:
             return  # the first chunk, its ids nulled by ``parse``: no later chunk has them
+        if not _keys_within(obj, _TOP_KEYS):
+            return
         choices = obj.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
             return
@@ -661,6 +811,12 @@ class Splice:
             return
         self.head = event[:start]
         self.tail = event[end : ids_at + len(_TOKEN_IDS)]
+        self.guessed = False
+        if self.shapes is not None:
+            self.shapes.learn(
+                self.kind, obj.get("model"), obj.get("id"), obj.get("created"), self.head,
+                self.tail,
+            )  # fmt: skip
 
     def take_chunk(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """Note a read that is one whole event, its ``\\n\\n`` included, when it is an
@@ -678,6 +834,20 @@ class Splice:
         out, ids, _, text = got
         self._note_scanned(ids, text)
         return out, text
+
+    def take_token(self, chunk: bytes, strip: bool) -> bytes | None:
+        """``take_chunk`` of a read that is one token chunk with text, the relay's every
+        token: the event as it goes to the client, or None (then ``take_chunk`` or a parse
+        decides). Only the event is made (``TAKE``)."""
+        head = self.head
+        if head is None:
+            return None
+        out = TAKE(chunk, head, self.tail, strip, self.lists)
+        if out is not None:
+            self.reasoning_open = False
+            self.shown = len(self.lists)
+            self.guessed = False
+        return out
 
     def take_event(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """``take_chunk`` of an event split from a read, without its ``\\n\\n``."""
@@ -708,6 +878,7 @@ class Splice:
         if text:
             self.reasoning_open = False
             self.shown = len(self.lists)
+        self.guessed = False
 
     # -- the seam --------------------------------------------------------------------------
 

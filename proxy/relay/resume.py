@@ -106,6 +106,7 @@ class Resumer:
         self.tracer = tracer  # None: tracing off; else each continuation is a CLIENT span
         # Continuations between their start and first token; with workers, counted serve-wide.
         self.reprefills = Reprefills(admission.ledger)
+        self.shapes = cont.Shapes()  # token-chunk templates, from one stream to the next
 
     def mark(self, call: Call, policy: Policy) -> None:
         """Give an eligible stream its ``Splice`` and ask its replica for token ids. Reads the
@@ -115,7 +116,7 @@ class Resumer:
             return
         if cont.refusal_under(policy.continuation, call.lane.continuation, call.kind, body):
             return
-        call.continuation = cont.Splice(call.kind, body, call.wants_usage)
+        call.continuation = cont.Splice(call.kind, body, call.wants_usage, self.shapes)
         call.body = cont.forward_body(call.body, body)
 
     async def relay(
@@ -131,7 +132,7 @@ class Resumer:
         the client is continued on another replica (``_continue``)."""
         sp: cont.Splice = call.continuation
         if not call.started:  # a retry before anything was sent starts afresh
-            fresh = cont.Splice(sp.kind, sp.body, sp.wants_usage)
+            fresh = cont.Splice(sp.kind, sp.body, sp.wants_usage, self.shapes)
             fresh.deadline = sp.deadline
             sp = call.continuation = fresh
         strip = not sp.client_wants_ids
@@ -227,8 +228,8 @@ class Resumer:
                         content = content or has_content
                         if content and not call.started and alone:
                             # The first content goes out now, the rest of the read after it
-                            # (``EventBuffer.reads``), unless other requests are in flight
-                            # (``first_content_alone``).
+                            # (the flow's ``ready``: an empty read), unless other requests
+                            # are in flight (``first_content_alone``).
                             break
                 if not call.started:
                     held += out
@@ -625,15 +626,21 @@ class _TokenRelay(StreamFlow):
         self.events = events
         self.strip = strip
 
-    def handed_back(self, response: Reply) -> AsyncIterator[bytes]:
-        """As ``StreamFlow.handed_back``, with an empty read for the events a read left
-        pending (the relay sent its first content before taking them)."""
-        return self.events.reads(super().handed_back(response))
+    def ready(self) -> bool:
+        """A read left complete events pending (the relay sent its first content before
+        taking them): ``handed_back`` hands an empty read back for them before pumping."""
+        return self.events.ready
 
     def __call__(self, chunk: bytes) -> bytes | None:
         writer = self.writer
         if writer is None or not self.events.empty:
             return chunk
+        out = self.sp.take_token(chunk, self.strip)
+        if out is not None:  # vLLM's every token: one chunk with text, a read of its own
+            self.attempt.last_progress = t = now()
+            room = writer.write_body(out)
+            self.content(t)
+            return None if room else PAUSE
         rest = b""
         token = self.sp.take_chunk(chunk, self.strip)
         if token is None and (token := self._parsed(chunk)) is None:
@@ -679,8 +686,8 @@ def _noted(
     learned from it (``event``, as the replica sent it) while there is none, its usage kept;
     (the event as the client gets it: ``shown``, as ``Splice.parse`` gave it, ``\\n\\n``
     ended and its ids nulled when ``strip``; whether it carries content)."""
-    if sp.head is None:
-        sp.learn_template(event, obj)
+    if sp.head is None or sp.guessed:
+        sp.learn_template(event, obj)  # a made template no chunk matched yet may be wrong
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
