@@ -658,13 +658,18 @@ def _event(rng: random.Random, head: bytes, tail: bytes) -> bytes:
     return ev
 
 
+def _read(rng: random.Random, head: bytes, tail: bytes, counts: list[int]) -> list[bytes]:
+    """The events of one read: as many as one of ``counts`` says."""
+    return [_event(rng, head, tail) for _ in range(rng.choice(counts))]
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_the_c_scan_gives_what_the_python_scan_gives(kind: str) -> None:
     native = _c_scan()
     head, tail = TEMPLATES[kind]
     rng = random.Random(13)
     for _ in range(30_000):
-        events = [_event(rng, head, tail) for _ in range(rng.choice([1, 1, 2, 3, 8]))]
+        events = _read(rng, head, tail, [1, 1, 2, 3, 8])
         data = b"".join(events)
         start = rng.choice([0, 0, len(events[0]), rng.randrange(len(data) + 2)])
         for strip in (False, True):
@@ -685,8 +690,7 @@ def test_the_c_take_gives_and_notes_what_the_python_take_does(kind: str) -> None
     head, tail = TEMPLATES[kind]
     rng = random.Random(17)
     for _ in range(30_000):
-        events = [_event(rng, head, tail) for _ in range(rng.choice([1, 1, 1, 2]))]
-        data = b"".join(events)
+        data = b"".join(_read(rng, head, tail, [1, 1, 1, 2]))
         # Noted before: nothing, a parsed chunk's list, a scanned chunk's bytes, a taken
         # token's bytearray (which the next one's ids extend).
         before = rng.choice([[], [[1]], [b"1"], [bytearray(b"1,2")]])

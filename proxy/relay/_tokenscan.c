@@ -231,7 +231,8 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* take(data, head, tail, strip, lists) -> out | None: continuation.take_token. The scan of
  * a read that is one token chunk with text, as the relay meets one for every token: the ids
- * appended to ``lists`` here, and the event (nulled when ``strip``) the only object returned.
+ * added here to the bytearray that ends ``lists`` (or to a new one), and the event (nulled
+ * when ``strip``) the only object made.
  * Counted with callgrind, scan's 4-tuple, its two ints and the caller's unpacking and second
  * tuple were about a third of a token chunk's cost in the relay. */
 static PyObject *

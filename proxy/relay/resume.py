@@ -602,7 +602,8 @@ _FAULT_TRIGGER: Final = {
 
 class _TokenRelay(StreamFlow):
     """An eligible stream's reads after its start that decide nothing: one ordinary token
-    chunk of the learned template (``Splice.take_chunk``, unparsed), one other event the loop
+    chunk of the learned template (``Splice.take_token``, or ``take_chunk`` for one without
+    text: unparsed), one other event the loop
     would only note and relay (parsed: a finish, usage, a text with a quote), or several token
     chunks that came in one read (``Splice.take_run``, as the loop takes a burst; the events
     after them are handed back). Noted, their ids hidden when the client did not ask, and
