@@ -10,7 +10,8 @@ import functools
 import random
 import socket
 import struct
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from proxy.errors import UpstreamClosed, UpstreamReadTimeout
 from proxy.relay import h1
 from proxy.relay.h1 import PAUSE, Handler
+from proxy.relay.reply import Reply
 from proxy.relay.upstream import UpstreamClient, timeout_extension
 
 from . import test_upstream
@@ -581,3 +583,59 @@ async def test_a_chunked_body_split_anywhere_comes_whole_and_in_order() -> None:
         got = b"".join(seen) if case % 2 else b"".join(conn.chunks)
         assert got == b"".join(parts), case
         assert conn.complete and conn.error is None, case
+
+
+@contextlib.contextmanager
+def answering_from_a_thread(answer: bytes) -> Iterator[str]:
+    """A server in a thread of its own answering each request (a 2-byte body) of the one
+    connection it accepts with ``answer``: nothing of it runs in the test's loop."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            buffered = b""
+            while data := conn.recv(65536):
+                buffered += data
+                while (end := buffered.find(b"\r\n\r\n")) >= 0 and len(buffered) >= end + 6:
+                    buffered = buffered[end + 6 :]
+                    conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_send_given_its_loop_never_asks_asyncio_for_it(
+    client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.11's ``get_running_loop`` makes a ``getpid`` system call each time: the relay
+    # hands the pool the request's loop (``Call.loop``) instead.
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    loop = asyncio.get_running_loop()
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counted() -> asyncio.AbstractEventLoop:
+        asked.append(1)
+        return real()
+
+    with answering_from_a_thread(ok) as url:
+        pool = client.transport.pool
+        target = httpx.URL(url)
+        origin = pool.origin(target.scheme, target.raw_host, target.port)
+        for given in (None, loop, loop):
+            monkeypatch.setattr(asyncio, "get_running_loop", counted)
+            conn = await pool.send(origin, "POST", b"/", [], b"hi", None, loop=given)
+            monkeypatch.setattr(asyncio, "get_running_loop", real)
+            assert conn.status == 200
+            reply = Reply(pool, origin, conn)
+            assert await reply.aread() == b"ok"
+            await reply.aclose()  # back to the pool
+            if given is None:
+                assert asked  # the counter counts: without a loop, asyncio was asked
+                asked.clear()
+        assert asked == []  # with one, never (the pooled connection, twice)

@@ -648,3 +648,26 @@ async def test_a_body_sent_without_content_type_goes_upstream_without_one() -> N
 def test_a_query_string_goes_upstream_as_its_own_bytes(raw: bytes, sent: str) -> None:
     url = httpx.URL("http://replica:8000/v1/models?" + query_text(raw))
     assert url.query.decode() == sent
+
+
+async def test_a_calls_loop_is_its_tasks_without_asking_asyncio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The relay reads its loop from the request's task (``Call.loop``): Python 3.11's
+    # ``get_running_loop`` makes a ``getpid`` system call each time.
+    loop = asyncio.get_running_loop()
+    call = a_call(build_policy(policy_for({"p": ["http://127.0.0.1:1"]})).lanes[0])
+    assert call.task is None
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counted() -> asyncio.AbstractEventLoop:
+        asked.append(1)
+        return real()
+
+    monkeypatch.setattr(asyncio, "get_running_loop", counted)
+    assert call.loop() is loop  # no task named: asyncio is asked
+    assert asked == [1]
+    call.task = asyncio.current_task()
+    assert call.loop() is loop
+    assert asked == [1]  # its task's loop: not asked again

@@ -475,15 +475,18 @@ class H1Pool:
         read_timeout: float | None,
         *,
         resendable: bool = True,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> H1Connection:
         """Send a request and read its answer's head: the connection, its status and headers
         read, its body still to come. Raises only ``UpstreamError``. ``headers`` carry no
         Host, Content-Length or Transfer-Encoding (``request_head`` sets them; the relay's
         never hold them, ``without_framing`` takes them off others). ``resendable``: the body
-        may go out twice (``STALE_RESENDS``)."""
+        may go out twice (``STALE_RESENDS``). ``loop``: the running one, when the caller has it
+        (``Call.loop``, without ``get_running_loop``'s system call)."""
         length = len(body) if body or method not in _NO_BODY_METHODS else None
         head = request_head(method, target, origin.host_header, headers, length)
-        loop = asyncio.get_running_loop()
+        if loop is None:
+            loop = asyncio.get_running_loop()
         resends = 0
         while True:
             conn = self.take_idle(origin, loop)

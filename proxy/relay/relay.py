@@ -228,7 +228,7 @@ class Relay:
         self.requests_in_flight += 1
         # One deadline for all attempts, from the first one's start: the queue wait has its
         # own bound (queue_timeout_s).
-        loop_time = asyncio.get_running_loop().time
+        loop_time = call.loop().time
         deadline = loop_time() + policy.retry.deadline_s
         if call.continuation is not None:
             call.continuation.deadline = deadline
@@ -392,7 +392,7 @@ class Relay:
                 # off just before anything is sent to the client. A plain response arrives whole
                 # at the end of generation: its attempt is not cut (the deadline only stops
                 # further ones).
-                loop = asyncio.get_running_loop()
+                loop = call.loop()
                 fire_at = None
                 if call.stream:
                     fire_at = loop.time() + call.lane.first_token_timeout_s
@@ -407,6 +407,7 @@ class Relay:
                         headers,
                         call.body,
                         self._read_timeout(call.lane, call.stream),
+                        loop=loop,
                     )
                     response = Reply(self.pool, origin, conn)
                     attempt.phase = Phase.HELD
