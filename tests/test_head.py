@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Any, cast
 
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from proxy.edge import head
 from proxy.edge.asgi_ext import START_BODY, START_MORE_BODY
 from proxy.edge.cycle import Cycle, Flow
 from proxy.edge.head import response_start, write_chunk
@@ -242,3 +244,55 @@ async def test_bodies_and_headers_as_apps_give_them_are_written_as_bytes(with_bo
         b"x-a: 1\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n1\r\nc\r\n0\r\n\r\n"
     )
     assert told == ["complete"]
+
+
+def _framed(fn: Any, *args: Any) -> Any:
+    """What a start function returns, as plain data, or the error it raised."""
+    try:
+        got = fn(*args)
+    except InvalidResponse as exc:
+        return ("raised", str(exc))
+    return (b"".join(got.parts), got.chunked, got.length, got.keep_alive, got.complete)
+
+
+def test_pairs_of_bytes_are_framed_as_the_generic_path_frames_any_pairs() -> None:
+    """The typed path (tuples of two bytes, every relayed start) against the generic one
+    (``_response_start_any``, what any other pairs take) over random starts: the same bytes
+    and state, or the same refusal."""
+    rng = random.Random(12)
+    names = [b"content-type", b"Content-Length", b"content-length", b"Transfer-Encoding",
+             b"transfer-encoding", b"Connection", b"connection", b"x-request-id", b"bad name",
+             b"x:y", b"x\x7f", b"X-A"]  # fmt: skip
+    values = [b"chunked", b"Chunked", b"close", b"keep-alive, Close", b"keep-alive", b"2",
+              b"0", b"x", b"-1", b"text/event-stream", b"v\nw", b"v\x00", b"\t\x80\xff"]  # fmt: skip
+    seen = set()
+    for _ in range(3000):
+        pairs = [(rng.choice(names), rng.choice(values)) for _ in range(rng.randrange(5))]
+        args = (
+            rng.choice([200, 204, 304, 503, 700]),
+            pairs if rng.random() < 0.5 else tuple(pairs),
+            list(DEFAULT) if rng.random() < 0.9 else [],
+            rng.choice(["GET", "POST", "HEAD"]),
+            rng.choice([None, None, True, False]),
+            rng.choice([0, 0, 2, 5]),
+            rng.random() < 0.8,
+            rng.choice([b"", b"xy", b"d" * 5000]),
+            rng.random() < 0.5,
+        )
+        assert head._names_and_values(args[2], args[1]) is not None  # the typed path's
+        typed = _framed(response_start, *args)
+        assert typed == _framed(head._response_start_any, *args), args
+        seen.add(typed[0] if typed[0] == "raised" else "framed")
+    assert seen == {"raised", "framed"}  # both outcomes met
+
+
+def test_pairs_of_another_shape_take_the_generic_path_unread() -> None:
+    pairs = [(b"x-a", b"1")]
+    assert head._names_and_values(DEFAULT, pairs) == ([b"date", b"server", b"x-a"],
+                                                      [DEFAULT[0][1], b"uvicorn", b"1"])  # fmt: skip
+    assert head._names_and_values(DEFAULT, [[b"x-a", b"1"]]) is None  # a list pair
+    assert head._names_and_values(DEFAULT, [(b"x-a", bytearray(b"1"))]) is None
+    assert head._names_and_values(DEFAULT, [(b"x-a", b"1", b"2")]) is None
+    given = iter(pairs)
+    assert head._names_and_values(DEFAULT, given) is None
+    assert list(given) == pairs  # an iterator is left whole, for the generic path to read

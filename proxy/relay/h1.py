@@ -590,11 +590,19 @@ def request_head(
 ) -> bytes:
     """The request line and headers: the caller's, with Host and Content-Length of ours."""
     parts = [method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", host, _CRLF]
+    # Appended one by one: compiled, ``parts += (...)`` builds a tuple and extends by the
+    # generic sequence protocol, per header.
     for name, value in headers:
-        parts += (name, b": ", value, _CRLF)
+        parts.append(name)
+        parts.append(b": ")
+        parts.append(value)
+        parts.append(_CRLF)
     if length is not None:
-        parts += (b"content-length: ", str(length).encode(), _CRLF)
-    parts.append(_CRLF)
+        parts.append(b"content-length: ")
+        parts.append(str(length).encode())
+        parts.append(b"\r\n\r\n")
+    else:
+        parts.append(_CRLF)
     return b"".join(parts)
 
 
