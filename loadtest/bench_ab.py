@@ -14,12 +14,16 @@ virtualenv.
         [--prompt-tokens N]
 
 ``TREE:N`` runs that tree with N workers, ``TREE:N:off`` (or ``:on``) with continuation so
-whatever ``--continuation`` says. ``--mode burst`` (mocks sending a 64-token stream in one
-write), per slice: CPU ms per request and req/s at concurrency 64, TTFT p50 in ms at
-concurrency 1 (absolute: every gateway has the same mocks); ``--prompt-tokens N`` sends a
-prompt of about N tokens instead of "hi" (the mocks send N prompt ids to a stream that asks for
-token ids, as vLLM does). ``--mode paced`` (mocks sending one
-token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
+whatever ``--continuation`` says. A tree named ``vllm-router`` or ``nginx`` is that peer
+(``loadtest/gateways.py``), in the timed modes: ``--tree vllm-router --tree . --tree .:1:off
+--tree .:2`` pairs Tokenlane's slices with the router's of the same round, so each ratio
+(printed below the rows) compares the same minute of the machine, where the peer
+benchmark's rounds of 5 s in turns compare minutes apart. ``--mode burst`` (mocks sending a
+64-token stream in one write), per slice: CPU ms per request and req/s at concurrency 64,
+TTFT p50 in ms at concurrency 1 (absolute: every gateway has the same mocks);
+``--prompt-tokens N`` sends a prompt of about N tokens instead of "hi" (the mocks send N
+prompt ids to a stream that asks for token ids, as vLLM does). ``--mode paced`` (mocks sending
+one token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
 user part of it alone (the kernel's network stack, the same work for every gateway, is the
 noisiest part of the whole) and ITL p99 in ms; this is how continuation's cost per chunk is
 measured (``--tree .:1:off --tree .:1:on``). ``--mode instructions`` (burst mocks), per
@@ -62,7 +66,8 @@ FIGURES = {
 }  # fmt: skip
 COUNTED = ("instructions", "paced-instructions")  # the modes run under callgrind
 PACED_CHUNKS = 67  # a paced stream's relayed chunks: 64 tokens, role, finish, [DONE]
-Spec = tuple[str, Path, int, bool]
+Spec = tuple[str, Path | str, int, bool]  # a tree's path, or a peer's name (``PEERS``)
+PEERS = {"vllm-router": gateways.vllm_router, "nginx": gateways.nginx}
 T = TypeVar("T")
 
 
@@ -97,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         workers, _, cont = rest.partition(":")
         # A tree given twice is an A/A control: each copy its own gateway and row.
         label = spec if args.tree.count(spec) == 1 else f"{spec} ({i + 1})"
-        specs.append(
-            (label, Path(path).resolve(), int(workers or 1), (cont or args.continuation) == "on")
-        )
+        tree: Path | str = path if path in PEERS else Path(path).resolve()
+        specs.append((label, tree, int(workers or 1), (cont or args.continuation) == "on"))
     if args.mode in COUNTED:
+        if any(isinstance(tree, str) for _, tree, _, _ in specs):
+            parser.error(f"--mode {args.mode} counts Tokenlane's trees, not a peer")
         if any(workers != 1 for _, _, workers, _ in specs):
             parser.error(f"--mode {args.mode} counts one worker a tree")
         if args.requests < 1:
@@ -126,7 +132,19 @@ def main(argv: list[str] | None = None) -> int:
             diff = statistics.median(a - b for a, b in zip(mine[k], base[k], strict=True))
             cells.append(f"{statistics.median(mine[k]):.{digits}f} ({diff:+.{digits}f})")
         print(f"{spec:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
+    print(
+        f"{'ratios, the same round':<28} | " + " | ".join(f"{name:>16}" for name, _, _ in columns)
+    )
+    for spec, *_ in specs[1:]:
+        mine, base = results[spec], results[first]
+        cells = [f"{paired_ratio(mine[k], base[k]):.3f}x" for _, k, _ in columns]
+        print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
     return 0
+
+
+def paired_ratio(mine: list[float], base: list[float]) -> float:
+    """The median of each round's ratio of ``mine`` to ``base`` (nan where a base is 0)."""
+    return statistics.median(a / b if b else float("nan") for a, b in zip(mine, base, strict=True))
 
 
 def run(
@@ -139,7 +157,10 @@ def run(
     with mocks(interval_ms) as ports, contextlib.ExitStack() as stack:
         running: list[tuple[str, int, int]] = []
         for spec, tree, workers, continuation in specs:
-            gw = stack.enter_context(gateways.tokenlane(ports, workers, continuation, cwd=tree))
+            if isinstance(tree, str):
+                gw = stack.enter_context(PEERS[tree](ports))
+            else:
+                gw = stack.enter_context(gateways.tokenlane(ports, workers, continuation, cwd=tree))
             running.append((spec, gw.port, gw.pid))
         for _, port, pid in running:  # warm-up: pools, caches, the first requests' imports
             asyncio.run(burst_run(port, 64, 1.0, pid) if mode == "burst" else _paced(port, pid))
@@ -199,6 +220,7 @@ def run_counted(
         tmp.mkdir(parents=True, exist_ok=True)
         running: list[tuple[str, int, int, Path]] = []
         for i, (spec, tree, _, continuation) in enumerate(specs):
+            assert isinstance(tree, Path)  # ``main`` refuses a peer here
             out = tmp / f"tree{i}"
             wrap = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p"]
             # Under valgrind the start (imports, the compiled build's load) takes a minute.

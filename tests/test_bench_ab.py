@@ -32,7 +32,8 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     assert bench_ab.main([a for t in trees for a in ("--tree", t)] + ["--rounds", "2",
                          "--slice-s", "0.3"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    rows = [line for line in lines if line.startswith(str(ROOT))]
+    at = next(i for i, line in enumerate(lines) if line.startswith("ratios"))
+    rows = [line for line in lines[:at] if line.startswith(str(ROOT))]
     assert [row.split(" | ")[0].strip() for row in rows] == [
         str(ROOT),
         f"{ROOT}:1 (2)",
@@ -42,6 +43,31 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     assert rows[0].count("(+0.000)") == 1 and rows[0].count("(+0)") == 1
     cells = [float(cell.split()[0]) for cell in rows[1].split(" | ")[1:]]
     assert len(cells) == 3 and all(figure > 0 for figure in cells), rows[1]
+    # Each later tree's ratios to the first, round by round.
+    ratios = lines[at + 1 :]
+    assert [row.split(" | ")[0].strip() for row in ratios] == [
+        f"{ROOT}:1 (2) / {ROOT}",
+        f"{ROOT}:1 (3) / {ROOT}",
+    ]
+    assert all(float(c.strip().rstrip("x")) > 0 for r in ratios for c in r.split(" | ")[1:])
+
+
+def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    # Round by round, not the ratio of medians: a slow round slows both of its halves.
+    assert bench_ab.paired_ratio([2.0, 10.0, 3.0], [1.0, 10.0, 1.0]) == 2.0
+
+
+def test_a_tree_named_for_a_peer_runs_that_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[str] = []
+
+    def run(specs: list[bench_ab.Spec], *_: object) -> dict[str, dict[str, list[float]]]:
+        started.extend(str(tree) for _, tree, _, _ in specs)
+        return {s[0]: {k: [1.0] for _, k, _ in bench_ab.FIGURES["burst"]} for s in specs}
+
+    monkeypatch.setattr(bench_ab, "run", run)
+    assert bench_ab.main(["--tree", "vllm-router", "--tree", str(ROOT), "--rounds", "1"]) == 0
+    assert started == ["vllm-router", str(ROOT)]  # the peer by name, the tree by its path
+    assert set(bench_ab.PEERS) == {"vllm-router", "nginx"}
 
 
 def test_the_long_prompt_run_sends_a_prompt_whose_ids_the_mock_sends_back() -> None:
@@ -193,6 +219,7 @@ def test_a_rounds_count_is_the_dump_after_its_opening_dump() -> None:
         (["--tree", f"{ROOT}:2"], "one worker a tree"),
         (["--tree", str(ROOT), "--requests", "0"], "--requests must be at least 1"),
         (["--tree", str(ROOT), "--keep", str(ROOT)], "not empty"),
+        (["--tree", "vllm-router", "--tree", str(ROOT)], "not a peer"),
     ],
 )
 def test_bench_ab_refuses_what_it_cannot_count(
