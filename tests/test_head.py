@@ -246,19 +246,9 @@ async def test_bodies_and_headers_as_apps_give_them_are_written_as_bytes(with_bo
     assert told == ["complete"]
 
 
-def _framed(fn: Any, *args: Any) -> Any:
-    """What a start function returns, as plain data, or the error it raised."""
-    try:
-        got = fn(*args)
-    except InvalidResponse as exc:
-        return ("raised", str(exc))
-    return (b"".join(got.parts), got.chunked, got.length, got.keep_alive, got.complete)
-
-
-def test_pairs_of_bytes_are_framed_as_the_generic_path_frames_any_pairs() -> None:
-    """The typed path (tuples of two bytes, every relayed start) against the generic one
-    (``_response_start_any``, what any other pairs take) over random starts: the same bytes
-    and state, or the same refusal."""
+async def test_random_starts_are_what_uvicorn_writes_or_refused_where_it_raises() -> None:
+    """Random starts of tuples of bytes (every relayed start's shape, read typed) against
+    uvicorn's own cycle: the same bytes and state, or a refusal where it raises."""
     rng = random.Random(12)
     names = [b"content-type", b"Content-Length", b"content-length", b"Transfer-Encoding",
              b"transfer-encoding", b"Connection", b"connection", b"x-request-id", b"bad name",
@@ -266,24 +256,29 @@ def test_pairs_of_bytes_are_framed_as_the_generic_path_frames_any_pairs() -> Non
     values = [b"chunked", b"Chunked", b"close", b"keep-alive, Close", b"keep-alive", b"2",
               b"0", b"x", b"-1", b"text/event-stream", b"v\nw", b"v\x00", b"\t\x80\xff"]  # fmt: skip
     seen = set()
-    for _ in range(3000):
+    for _ in range(1500):
         pairs = [(rng.choice(names), rng.choice(values)) for _ in range(rng.randrange(5))]
-        args = (
-            rng.choice([200, 204, 304, 503, 700]),
-            pairs if rng.random() < 0.5 else tuple(pairs),
-            list(DEFAULT) if rng.random() < 0.9 else [],
-            rng.choice(["GET", "POST", "HEAD"]),
-            rng.choice([None, None, True, False]),
-            rng.choice([0, 0, 2, 5]),
-            rng.random() < 0.8,
-            rng.choice([b"", b"xy", b"d" * 5000]),
-            rng.random() < 0.5,
-        )
-        assert head._names_and_values(args[2], args[1]) is not None  # the typed path's
-        typed = _framed(response_start, *args)
-        assert typed == _framed(head._response_start_any, *args), args
-        seen.add(typed[0] if typed[0] == "raised" else "framed")
-    assert seen == {"raised", "framed"}  # both outcomes met
+        method = rng.choice(["GET", "POST", "HEAD"])
+        keep_alive = rng.random() < 0.8
+        status = rng.choice([200, 204, 304, 503, 700])
+        body = rng.choice([b"", b"xy", b"d" * 5000])
+        more = rng.random() < 0.5
+        assert head._names_and_values(DEFAULT, pairs) is not None  # the typed reading
+        want = await uvicorns(method, keep_alive, status, pairs, body, more)
+        args = (status, pairs, list(DEFAULT), method, None, 0, keep_alive, body, more)
+        if isinstance(want, type):
+            with pytest.raises(InvalidResponse):
+                response_start(*args)
+            seen.add("refused")
+            continue
+        got = response_start(*args)
+        data, (chunked, length, alive, complete, _) = want
+        assert b"".join(got.parts) == data, args
+        assert (got.chunked, got.length, got.keep_alive, got.complete) == (
+            chunked, length, alive, complete,
+        ), args  # fmt: skip
+        seen.add("framed")
+    assert seen == {"refused", "framed"}  # both outcomes met
 
 
 def test_pairs_of_another_shape_take_the_generic_path_unread() -> None:
@@ -296,3 +291,10 @@ def test_pairs_of_another_shape_take_the_generic_path_unread() -> None:
     given = iter(pairs)
     assert head._names_and_values(DEFAULT, given) is None
     assert list(given) == pairs  # an iterator is left whole, for the generic path to read
+    # The generic path: lists and bytes-like objects read as bytes, anything else refused.
+    assert head._any_names_and_values(DEFAULT, iter([[b"x-a", bytearray(b"1")]])) == (
+        [b"date", b"server", b"x-a"], [DEFAULT[0][1], b"uvicorn", b"1"],
+    )  # fmt: skip
+    for bad in ([("x-a", b"1")], [(b"x-a", 1)], [(b"x-a", b"1", b"2")]):
+        with pytest.raises((TypeError, ValueError)):
+            head._any_names_and_values(DEFAULT, bad)

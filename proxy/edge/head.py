@@ -92,21 +92,16 @@ def response_start(
     writes a start then a body message); ``chunked``, ``length`` and ``keep_alive`` are the
     cycle's state before them. A plain start is one with no body and more to come.
 
-    Pairs that are tuples of two bytes (the relay's own, and the server's defaults) are read
-    as typed bytes. Read through the generic protocols (an iterator to unpack each pair, a
-    generic comparison per name, a tuple concatenated per header), a relayed stream's start
-    cost about 21,000 instructions (callgrind), typed about 15,000. Any other shape goes the
-    generic way (``_response_start_any``), with the same rules."""
-    split = _names_and_values(default_headers, headers)
-    if split is None:
-        return _response_start_any(
-            status, headers, default_headers, method, chunked, length, keep_alive, body,
-            more_body,
-        )  # fmt: skip
-    names, values = split
+    The pairs are read into names and values, then framed as typed bytes. Pairs that are
+    tuples of two bytes (the relay's own, and the server's defaults) are read without the
+    generic protocols: read through them (an iterator to unpack each pair, a generic
+    comparison per name, a tuple concatenated per header), a relayed stream's start cost about
+    21,000 instructions (callgrind), typed about 15,000."""
     line = _STATUS_LINE.get(status)
     if line is None:
         raise InvalidResponse(f"Invalid HTTP status code {status!r}.")
+    split = _names_and_values(default_headers, headers)
+    names, values = split if split is not None else _any_names_and_values(default_headers, headers)
     if b"".join(names).translate(None, _NAME_BYTES):
         raise InvalidResponse("Invalid HTTP header name.")
     if b"".join(values).translate(None, _VALUE_BYTES):
@@ -162,7 +157,7 @@ def response_start(
 def _names_and_values(default_headers: Any, headers: Any) -> tuple[list[bytes], list[bytes]] | None:
     """Every pair's name and value, when ``default_headers`` and ``headers`` are lists or
     tuples of pairs that are each a tuple of two bytes; else None (nothing consumed: an
-    iterable of another kind is read once, by the generic path)."""
+    iterable of another kind is read once, by ``_any_names_and_values``)."""
     names: list[bytes] = []
     values: list[bytes] = []
     for group in (default_headers, headers):
@@ -180,74 +175,23 @@ def _names_and_values(default_headers: Any, headers: Any) -> tuple[list[bytes], 
     return names, values
 
 
-def _response_start_any(
-    status: int,
-    headers: Iterable[Any],
-    default_headers: list[tuple[bytes, bytes]],
-    method: str,
-    chunked: bool | None,
-    length: int,
-    keep_alive: bool,
-    body: bytes,
-    more_body: bool,
-) -> Start:
-    """``response_start`` of headers as an app may give them (lists, or any iterable, of
-    bytes-like pairs), each read by the generic protocols."""
-    line = STATUS_LINE.get(status)
-    if line is None:
-        raise InvalidResponse(f"Invalid HTTP status code {status!r}.")
-    # Pairs as an app gives them: tuples, or lists (uvicorn takes both), of bytes.
-    every: list[Any] = [*default_headers, *headers]
-    # uvicorn searches each name and each value with an expression that is one character
-    # class: a byte it refuses is left when every byte it takes is deleted, over all the
-    # names (values) joined (sre scans ~10 ns a byte; ``translate`` ~1).
-    if b"".join([name for name, _ in every]).translate(None, _NAME_BYTES):
-        raise InvalidResponse("Invalid HTTP header name.")
-    if b"".join([value for _, value in every]).translate(None, _VALUE_BYTES):
-        raise InvalidResponse("Invalid HTTP header value.")
-    parts: list[Any] = [line]
-    closing = False
-    for pair in every:
-        value: Any = pair[1]
-        name: Any = pair[0]
-        # ``lower()``; as mypyc's own operation for bytes (``proxy.headers``), by name else.
-        name = name.translate(LOWER) if type(name) is bytes else name.lower()
-        if name == b"content-length" and chunked is None:
-            try:
-                length = int(value.decode())
-            except ValueError:
-                raise InvalidResponse(f"Invalid Content-Length {value!r}.") from None
-            chunked = False
-        elif name == b"transfer-encoding" and value.lower() == b"chunked":
-            length = 0
-            chunked = True
-        elif name == b"connection":
-            if b"close" in [token.lower().strip() for token in value.split(b",")]:
-                keep_alive = False
-                closing = True
-        parts += (name, _SEP, value, _CRLF)
-    if not keep_alive and not closing:
-        parts.append(b"connection: close\r\n")
-    if chunked is None and method != "HEAD" and status != 204 and status != 304:
-        chunked = True
-        parts.append(b"transfer-encoding: chunked\r\n")
-    parts.append(_CRLF)
-    if method == "HEAD":
-        length = 0
-    elif chunked:
-        if body:
-            parts += (_size_line(len(body)), body, _CRLF)
-        if not more_body:
-            parts.append(_LAST_CHUNK)
-    else:
-        if len(body) > length:
-            raise InvalidResponse("Response content longer than Content-Length")
-        length -= len(body)
-        if body:
-            parts.append(body)
-    if not more_body and length != 0:
-        raise InvalidResponse("Response content shorter than Content-Length")
-    return Start(parts, chunked, length, keep_alive, not more_body)
+def _any_names_and_values(
+    default_headers: Iterable[Any], headers: Iterable[Any]
+) -> tuple[list[bytes], list[bytes]]:
+    """The pairs as an app may give them (uvicorn takes lists as well as tuples, and any
+    bytes-like object), as bytes: a pair of another length, or a name or value that is not
+    bytes-like, raises as uvicorn's unpacking and joins do (``ValueError``, ``TypeError``)."""
+    names: list[bytes] = []
+    values: list[bytes] = []
+    for name, value in [*default_headers, *headers]:
+        names.append(_as_bytes(name))
+        values.append(_as_bytes(value))
+    return names, values
+
+
+def _as_bytes(data: Any) -> bytes:
+    """A bytes-like name or value as bytes; anything else (a str, an int) a ``TypeError``."""
+    return data if type(data) is bytes else bytes(memoryview(data))
 
 
 __all__ = ["Start", "response_start", "write_chunk"]
