@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         workers, _, cont = rest.partition(":")
         # A tree given twice is an A/A control: each copy its own gateway and row.
         label = spec if args.tree.count(spec) == 1 else f"{spec} ({i + 1})"
+        if path in PEERS and rest:
+            parser.error(f"--tree {spec}: a peer runs as it is, without workers or continuation")
         tree: Path | str = path if path in PEERS else Path(path).resolve()
         specs.append((label, tree, int(workers or 1), (cont or args.continuation) == "on"))
     if args.mode in COUNTED:

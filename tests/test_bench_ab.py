@@ -247,3 +247,10 @@ def test_bench_ab_keeps_dumps_only_of_a_counted_mode(
         bench_ab.main(["--mode", "burst", "--tree", str(ROOT), "--keep", str(tmp_path)])
     assert refused.value.code == 2
     assert "--keep applies to the counted modes" in capsys.readouterr().err
+
+
+def test_a_peer_takes_no_workers_or_continuation(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        bench_ab.main(["--tree", "vllm-router:2", "--tree", str(ROOT)])
+    assert refused.value.code == 2
+    assert "a peer runs as it is" in capsys.readouterr().err

@@ -102,6 +102,9 @@ def response_start(
         raise InvalidResponse(f"Invalid HTTP status code {status!r}.")
     split = _names_and_values(default_headers, headers)
     names, values = split if split is not None else _any_names_and_values(default_headers, headers)
+    # uvicorn searches each name and each value with an expression that is one character
+    # class: a byte it refuses is left when every byte it takes is deleted, over all the
+    # names (values) joined (sre scans ~10 ns a byte; ``translate`` ~1).
     if b"".join(names).translate(None, _NAME_BYTES):
         raise InvalidResponse("Invalid HTTP header name.")
     if b"".join(values).translate(None, _VALUE_BYTES):
