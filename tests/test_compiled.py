@@ -149,6 +149,7 @@ _TYPE_NAMES = {
     "W",
     "Search",
     "LabelSets",
+    "FinishTails",
 }
 
 

@@ -532,6 +532,7 @@ TAIL = b'"},"logprobs":null,"finish_reason":null,"token_ids":['
         (HEAD.replace(b'"created":1,', b'"created":10,'), "chatcmpl-1", 1, False),
         (HEAD.replace(b'"model":"m"', b'"model":"m","created":1'), "chatcmpl-1", 1, False),
         (b"data: " + HEAD[7:], "chatcmpl-1", 1, False),  # the id not first
+        (HEAD.replace(b'"model":"m"', b'"model":"m","id":"x"'), "chatcmpl-1", 1, False),  # two
         (HEAD.replace(b'"m"', b'"' + b"m" * 5000 + b'"'), "chatcmpl-1", 1, False),  # too big
     ],
 )
@@ -540,12 +541,14 @@ def test_a_template_is_kept_only_with_its_id_first_and_its_one_created(
 ) -> None:
     shapes = Shapes()
     model = "m" * 5000 if b"m" * 5000 in head else "m"
-    shapes.learn("chat", model, chunk_id, created, head, TAIL)
+    finishes = [(TAIL.replace(b"null", b'"stop"'), "stop")]
+    shapes.learn("chat", model, chunk_id, created, head, TAIL, finishes)
     made = shapes.made("chat", model, "chatcmpl-9", 9)
     if not kept:
         assert made is None
         return
-    assert made == (HEAD.replace(b"chatcmpl-1", b"chatcmpl-9").replace(b":1,", b":9,"), TAIL)
+    assert made is not None and made[2] is finishes  # the finish tails go with the template
+    assert made[:2] == (HEAD.replace(b"chatcmpl-1", b"chatcmpl-9").replace(b":1,", b":9,"), TAIL)
     # A new stream's id a writer would escape, or a created that is no int: nothing made.
     for bad_id, bad_created in [('a"b', 9), ("a\\b", 9), ("a\nb", 9), ("\ud800", 9),
                                 ("x", True), ("x", "9"), (None, 9)]:  # fmt: skip
@@ -558,7 +561,7 @@ def test_a_template_is_kept_only_with_its_id_first_and_its_one_created(
 def test_templates_kept_are_bounded() -> None:
     shapes = Shapes()
     for i in range(300):
-        shapes.learn("chat", f"m{i}", "chatcmpl-1", 1, HEAD, TAIL)
+        shapes.learn("chat", f"m{i}", "chatcmpl-1", 1, HEAD, TAIL, [])
     assert shapes.made("chat", "m299", "x", 2) is not None
     assert shapes.made("chat", "m0", "x", 2) is None  # the memory started over past 256
 

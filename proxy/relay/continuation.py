@@ -246,6 +246,7 @@ _NULL_KEYS: Final = ("logprobs", "finish_reason", "stop_reason", "prompt_token_i
 # unparsed too. Whatever matches a made template is a chunk of a checked shape with this
 # stream's id and created; one that does not is parsed, and the stream learns its own.
 _ID_AT: Final = b'data: {"id":"'
+_ID_KEY: Final = b'"id":'
 _CREATED_KEY: Final = b'"created":'
 _SHAPES_KEPT: Final = 256  # models x kinds a gateway serves; past it the memory starts over
 _SHAPE_BYTES: Final = 4096  # a template's head and tail (vLLM's: about 150 bytes)
@@ -277,50 +278,71 @@ def _plain_created(value: object) -> bytes | None:
     return str(value).encode()
 
 
+# A finish is an ordinary token chunk but for its tail: ``"finish_reason":"stop"`` (and what
+# a replica adds beside it, such as ``"stop_reason":null``) where a token chunk has null. The
+# tails a stream's template has finished with, kept with that template, and the reason each
+# gives; a few (stop, length and their stop reasons), past which a finish is parsed.
+FinishTails = list[tuple[bytes, str]]
+_FINISH_TAILS_KEPT: Final = 4
+
+
+class RoleShape:
+    """A stream's first chunk (the role, and the prompt's ids) as bytes around the three things
+    that differ from one stream to the next: the chunk's id, its created and the prompt's ids.
+    What parsing it noted (the model, the fingerprint) and what the client gets of it (its
+    ids null) come with it: a chunk of these bytes parses to the same but for those three."""
+
+    __slots__ = ("after", "before_created", "between", "fingerprint", "model", "null_after")
+
+    def __init__(
+        self, before_created: bytes, between: bytes, after: bytes, null_after: bytes,
+        model: str, fingerprint: Any,
+    ) -> None:  # fmt: skip
+        self.before_created = before_created  # from the id's closing quote to created's digits
+        self.between = between  # from created's digits to the prompt ids' "["
+        self.after = after  # from their "]" to the event's end
+        self.null_after = null_after  # the client's bytes from the prompt's null on, ended
+        self.model = model
+        self.fingerprint = fingerprint
+
+
 class Shapes:
     """The token-chunk templates learned by earlier streams, by kind and model, each with its
-    chunk's id and created cut out: ``made`` puts a new stream's in. One per relay (a
-    process's streams); passed to each ``Splice``."""
+    chunk's id and created cut out: ``made`` puts a new stream's in. Beside them, the first
+    chunks (``RoleShape``) by kind and the model a request names. One per relay (a process's
+    streams); passed to each ``Splice``."""
 
-    __slots__ = ("_kept",)
+    __slots__ = ("_kept", "_roles")
 
     def __init__(self) -> None:
-        # (kind, model) -> (the head between id and created, the head after created, tail)
-        self._kept: dict[tuple[str, str], tuple[bytes, bytes, bytes]] = {}
+        # (kind, model) -> (the head between id and created, the head after created, tail,
+        # the finish tails learned with it)
+        self._kept: dict[tuple[str, str], tuple[bytes, bytes, bytes, FinishTails]] = {}
+        self._roles: dict[tuple[str, str], RoleShape] = {}
 
     def learn(
         self, kind: str, model: object, chunk_id: object, created: object, head: bytes,
-        tail: bytes,
+        tail: bytes, finishes: FinishTails,
     ) -> None:  # fmt: skip
         """Keep a template learned from a chunk with this id and created, when its head is
-        ``data: {"id":"<id>"`` and holds the one ``"created":<created>``."""
-        ib = _plain_id(chunk_id)
-        cb = _plain_created(created)
-        if not isinstance(model, str) or ib is None or cb is None:
+        ``data: {"id":"<id>"`` and holds the one ``"created":<created>``; ``finishes`` (the
+        stream's, filled as it meets finishes) go with it."""
+        if not isinstance(model, str):
             return
-        if not head.startswith(_ID_AT) or not head.startswith(b'"', len(_ID_AT) + len(ib)):
-            return
-        if not head.startswith(ib, len(_ID_AT)):
-            return
-        n = len(head)
-        at = FIND(head, _CREATED_KEY, 0, n)
-        if at < 0 or RFIND(head, _CREATED_KEY, 0, n) != at:
-            return
-        at += len(_CREATED_KEY)
-        end = at + len(cb)
-        if not head.startswith(cb, at) or end >= n or head[end] not in b",}":
+        at = _identity(head, chunk_id, created)
+        if at is None:
             return
         if len(head) + len(tail) > _SHAPE_BYTES:
             return  # a replica's model name of any size is not kept
         if len(self._kept) >= _SHAPES_KEPT:
             self._kept.clear()
-        self._kept[(kind, model)] = (head[len(_ID_AT) + len(ib) : at], head[end:], tail)
+        self._kept[(kind, model)] = (head[at[0] : at[1]], head[at[2] :], tail, finishes)
 
     def made(
         self, kind: str, model: object, chunk_id: object, created: object
-    ) -> tuple[bytes, bytes] | None:
-        """The head and tail of a stream of ``kind`` whose chunks carry this model, id and
-        created, made from the template kept for them; None when there is none."""
+    ) -> tuple[bytes, bytes, FinishTails] | None:
+        """The head, tail and finish tails of a stream of ``kind`` whose chunks carry this
+        model, id and created, made from the template kept for them; None when there is none."""
         if not isinstance(model, str):
             return None
         kept = self._kept.get((kind, model))
@@ -330,7 +352,66 @@ class Shapes:
         cb = _plain_created(created)
         if ib is None or cb is None:
             return None
-        return _ID_AT + ib + kept[0] + cb + kept[1], kept[2]
+        return _ID_AT + ib + kept[0] + cb + kept[1], kept[2], kept[3]
+
+    def learn_role(self, kind: str, asked: str, role: RoleShape) -> None:
+        """Keep the first chunk of a stream whose request named model ``asked``."""
+        if len(self._roles) >= _SHAPES_KEPT:
+            self._roles.clear()
+        self._roles[(kind, asked)] = role
+
+    def role(self, kind: str, asked: str) -> RoleShape | None:
+        return self._roles.get((kind, asked))
+
+
+def _identity(event: bytes, chunk_id: object, created: object) -> tuple[int, int, int] | None:
+    """Where a chunk parsed with this id and created has them, when it starts
+    ``data: {"id":"<id>"``, holds no other ``"id":`` and one ``"created":<created>`` after
+    the id: (the id's closing quote, the created's digits, their end); else None. Only then
+    can a template hold everything but those two as bytes that parse the same for any."""
+    ib = _plain_id(chunk_id)
+    cb = _plain_created(created)
+    if ib is None or cb is None:
+        return None
+    q = len(_ID_AT) + len(ib)
+    if not event.startswith(_ID_AT) or not event.startswith(ib, len(_ID_AT)):
+        return None
+    n = len(event)
+    if not event.startswith(b'"', q) or FIND(event, _ID_KEY, len(_ID_AT), n) >= 0:
+        return None
+    at = FIND(event, _CREATED_KEY, q, n)
+    if at < 0 or RFIND(event, _CREATED_KEY, 0, n) != at:
+        return None
+    at += len(_CREATED_KEY)
+    end = at + len(cb)
+    if not event.startswith(cb, at) or end >= n or event[end] not in b",}":
+        return None
+    return q, at, end
+
+
+def _id_of(raw: bytes) -> str | None:
+    """The id a JSON string's inside ``raw`` decodes to, when it holds no backslash or
+    control character (``_plain_id``'s converse); None when it holds one or is not UTF-8."""
+    if FIND(raw, b"\\", 0, len(raw)) >= 0:
+        return None
+    for c in raw:
+        if c < 0x20:
+            return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _int_end(data: bytes, i: int, n: int) -> int:
+    """Where an int as JSON writes a created (1 to 18 digits, no leading zero) from
+    ``data[i]`` ends; -1 when there is none."""
+    j = i
+    while j < n and 0x30 <= data[j] <= 0x39:
+        j += 1
+    if j == i or j - i > 18 or (j - i > 1 and data[i] == 0x30):
+        return -1
+    return j
 
 
 def ids_end(data: bytes, i: int, n: int) -> int:
@@ -579,6 +660,7 @@ class Splice:
     text taken one after another (``take_token``) share one bytearray."""
 
     __slots__ = (
+        "_cut",
         "_decoded",
         "_prompt",
         "body",
@@ -587,6 +669,7 @@ class Splice:
         "deadline",
         "failure",
         "finish_reason",
+        "finishes",
         "guessed",
         "head",
         "id",
@@ -622,6 +705,9 @@ class Splice:
         # The prompt's ids: the bytes inside their list as ``parse`` cut them, decoded when
         # first read (``prompt_ids``), or the list of a chunk parsed whole.
         self._prompt: bytes | list[int] | None = None
+        # Where ``parse`` cut the prompt's ids out of the event it last parsed (their list's
+        # inside), until ``learn_role`` reads it: None when it cut none.
+        self._cut: tuple[int, int] | None = None
         # Each chunk's ids as noted: the bytes inside its list ("12" or "12,13", checked as
         # vLLM writes ids) for a chunk read unparsed, the list itself for a parsed one.
         self.lists: list[bytes | bytearray | list[Any]] = []
@@ -643,6 +729,7 @@ class Splice:
         self.head: bytes | None = None  # the stream's token-chunk template (learn_template)
         self.tail = b""
         self.guessed = False  # ``head`` made from ``shapes``, no chunk taken with it yet
+        self.finishes: FinishTails = []  # the finish tails of ``head`` (``learn_finish``)
 
     # -- the first segment -----------------------------------------------------------------
 
@@ -674,8 +761,15 @@ class Splice:
                 if _cut_where_vllm_puts_them(obj):
                     if self._prompt is None:
                         self._prompt = event[start:end]
+                        self._cut = (start, end)
                     return obj, event if self.client_wants_ids else nulled
         return sse.parse_event(event), event
+
+    def _made(self, shapes: Shapes) -> None:
+        made = shapes.made(self.kind, self.model, self.id, self.created)
+        if made is not None:
+            self.head, self.tail, self.finishes = made
+            self.guessed = True
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -695,10 +789,7 @@ class Splice:
             self.model = obj.get("model")
             shapes = self.shapes
             if shapes is not None and self.head is None:
-                made = shapes.made(self.kind, self.model, self.id, self.created)
-                if made is not None:
-                    self.head, self.tail = made
-                    self.guessed = True
+                self._made(shapes)
         fp = obj.get("system_fingerprint")
         if fp is not None and self.system_fingerprint is None:
             self.system_fingerprint = fp
@@ -777,46 +868,215 @@ class Splice:
     def learn_template(self, event: bytes, obj: dict[str, Any]) -> None:
         """Take this stream's token-chunk head and tail from ``event`` (parsed as ``obj``)
         when it is an ordinary token chunk whose text holds no quote or backslash."""
+        at = self._token_shape(event, obj, None)
+        if at is None:
+            return
+        start, end, ids_at = at
+        self.head = event[:start]
+        self.tail = event[end : ids_at + len(_TOKEN_IDS)]
+        self.guessed = False
+        self.finishes = []  # a new template's: none learned with it yet
+        if self.shapes is not None:
+            self.shapes.learn(
+                self.kind, obj.get("model"), obj.get("id"), obj.get("created"), self.head,
+                self.tail, self.finishes,
+            )  # fmt: skip
+
+    def learn_finish(self, event: bytes, obj: dict[str, Any]) -> None:
+        """Keep the tail of ``event``, this stream's finish (parsed as ``obj`` and observed),
+        when it is its template's head, a text and a tail as a token chunk's but for the
+        finish: the next finish of these bytes is taken unparsed (``take_finish``)."""
+        reason = self.finish_reason
+        head = self.head
+        if head is None or self.guessed or reason is None:
+            return
+        if len(self.finishes) >= _FINISH_TAILS_KEPT:
+            return
+        if not event.startswith(head):
+            return
+        at = self._token_shape(event, obj, reason)
+        if at is None or at[0] != len(head):
+            return
+        tail = event[at[1] : at[2] + len(_TOKEN_IDS)]
+        if len(head) + len(tail) > _SHAPE_BYTES:
+            return
+        for kept, _ in self.finishes:
+            if kept == tail:
+                return
+        self.finishes.append((tail, reason))
+
+    def _token_shape(
+        self, event: bytes, obj: dict[str, Any], finish: str | None
+    ) -> tuple[int, int, int] | None:
+        """Where ``event`` (parsed as ``obj``) has its text (start, end) and its last
+        ``"token_ids":[``, when it is an ordinary token chunk (``finish`` None) or a finish for
+        that reason, one choice, its text holding no quote or backslash; else None."""
         # The bytes first: the role chunk, met by every stream, leaves at its prompt ids.
         if not event.endswith(_TOKEN_END):
-            return
+            return None
         n = len(event)
         if FIND(event, _PROMPT_IDS, 0, n) >= 0:
-            return  # the first chunk, its ids nulled by ``parse``: no later chunk has them
+            return None  # the first chunk, its ids nulled by ``parse``: no later chunk has them
         if not _keys_within(obj, _TOP_KEYS):
-            return
+            return None
         choices = obj.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            return
+            return None
         choice = choices[0]
         if not isinstance(choice, dict):  # checked above: narrowed here, for the dict's ``get``
-            return
+            return None
         if not _keys_within(choice, _CHOICE_KEYS) or not isinstance(choice.get("token_ids"), list):
-            return
-        if any(choice.get(k) is not None for k in _NULL_KEYS):
-            return
+            return None
+        if finish is None:
+            if any(choice.get(k) is not None for k in _NULL_KEYS):
+                return None
+        elif finish == "abort" or choice.get("finish_reason") != finish:
+            return None  # an abort is decided on, never relayed unparsed
+        elif choice.get("logprobs") is not None or choice.get("prompt_token_ids") is not None:
+            return None  # a stop_reason beside the finish stays in its tail's bytes
         delta = choice.get("delta")
         if self.kind == "chat" and (
             not isinstance(delta, dict) or len(delta) != 1 or "content" not in delta
         ):
-            return
+            return None
         mark = _TEMPLATE_MARK[self.kind]
         start = FIND(event, mark, 0, n)
         if start < 0:
-            return
+            return None
         start += len(mark)
         end = FIND(event, b'"', start, n)
         ids_at = RFIND(event, _TOKEN_IDS, 0, n)
         if end < 0 or FIND(event, b"\\", start, end) >= 0 or ids_at < end:
+            return None
+        return start, end, ids_at
+
+    def learn_role(self, event: bytes, obj: dict[str, Any]) -> None:
+        """Keep ``event``, this stream's first chunk (parsed as ``obj``, its prompt ids cut out
+        by ``parse``, observed), as the first chunk of the next stream whose request names
+        this model (``take_role``), when it notes nothing but the stream's identity and the
+        prompt: no text, ids, finish, usage or tool call, and its id and created where
+        ``_identity`` finds them, before the prompt's ids."""
+        cut = self._cut
+        if cut is None:
+            return  # the event cut no prompt ids: not a first chunk
+        self._cut = None
+        shapes = self.shapes
+        asked = self.body.get("model")
+        if shapes is None or not isinstance(asked, str):
             return
-        self.head = event[:start]
-        self.tail = event[end : ids_at + len(_TOKEN_IDS)]
-        self.guessed = False
-        if self.shapes is not None:
-            self.shapes.learn(
-                self.kind, obj.get("model"), obj.get("id"), obj.get("created"), self.head,
-                self.tail,
-            )  # fmt: skip
+        if isinstance(obj.get("usage"), dict) or sse.carries_content(obj):
+            return
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1:
+            return
+        choice = choices[0]
+        if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+            return
+        ids = choice.get("token_ids")
+        if (ids is not None and ids != []) or choice.get("text"):
+            return
+        model = obj.get("model")
+        at = _identity(event, obj.get("id"), created := obj.get("created"))
+        if at is None or not isinstance(model, str) or type(created) is not int:
+            return
+        q, digits, digits_end = at
+        start, end = cut
+        key = start - len(_PROMPT_IDS)
+        if key < digits_end:
+            return  # the prompt's ids before the created: not a shape vLLM writes
+        nulled = event[:key] + _PROMPT_NULL + event[end + 1 :]
+        shown = strip_ids(nulled)
+        if not shown.startswith(nulled[: key + len(_PROMPT_NULL)]):
+            return
+        role = RoleShape(event[q:digits], event[digits_end:start], event[end:],
+                         shown[key:] + b"\n\n", model, obj.get("system_fingerprint"))  # fmt: skip
+        size = len(role.before_created) + len(role.between) + len(role.after)
+        if size + len(role.null_after) <= _SHAPE_BYTES:
+            shapes.learn_role(self.kind, asked, role)
+
+    def take_known(self, event: bytes, strip: bool) -> tuple[bytes, bool] | None:
+        """An event split from a read that is the first chunk (``take_role``) or a finish
+        (``take_finish``) of bytes met before: (the event as the client gets it, whether it
+        carries content). None when it is to be parsed."""
+        if self.id is None:
+            role = self.take_role(event, strip)
+            return None if role is None else (role, False)
+        head = self.head
+        if head is None or not self.finishes or not event.startswith(head):
+            return None
+        return self.take_finish(event + b"\n\n", strip)
+
+    def take_role(self, event: bytes, strip: bool) -> bytes | None:
+        """Note ``event`` when it is this stream's first chunk and has the bytes of the last
+        first chunk kept for its model (``learn_role``) around its own id, created and prompt
+        ids, as ``parse``, ``observe`` and the relay note it, without parsing it: the event as
+        the client gets it (``\\n\\n`` ended, its ids null when ``strip``). None when it is
+        not one: it is parsed."""
+        shapes = self.shapes
+        if shapes is None or self.id is not None or self._prompt is not None:
+            return None
+        if strip is self.client_wants_ids:
+            return None  # the relay strips what the client did not ask for: the other ways, parsed
+        asked = self.body.get("model")
+        if not isinstance(asked, str):
+            return None
+        role = shapes.role(self.kind, asked)
+        if role is None or not event.startswith(_ID_AT):
+            return None
+        n = len(event)
+        q = FIND(event, b'"', len(_ID_AT), n)
+        if q < 0 or not event.startswith(role.before_created, q):
+            return None
+        digits = q + len(role.before_created)
+        digits_end = _int_end(event, digits, n)
+        if digits_end < 0 or not event.startswith(role.between, digits_end):
+            return None
+        start = digits_end + len(role.between)
+        end = n - len(role.after)
+        if end < start or not event.endswith(role.after):
+            return None
+        # The prompt's ids as ``parse`` cuts them: no "]", "[", quote or line end inside.
+        if (
+            FIND(event, b"]", start, end) >= 0
+            or FIND(event, b"[", start, end) >= 0
+            or FIND(event, b'"', start, end) >= 0
+            or FIND(event, b"\n", start, end) >= 0
+        ):
+            return None
+        chunk_id = _id_of(event[len(_ID_AT) : q])
+        if chunk_id is None:
+            return None
+        self.id = chunk_id
+        self.created = int(event[digits:digits_end])
+        self.model = role.model
+        if self.head is None:
+            self._made(shapes)
+        if role.fingerprint is not None and self.system_fingerprint is None:
+            self.system_fingerprint = role.fingerprint
+        self._prompt = event[start:end]
+        if self.client_wants_ids:
+            return event + b"\n\n"
+        return event[: start - len(_PROMPT_IDS)] + role.null_after
+
+    def take_finish(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
+        """``take_chunk`` of a finish of one of the tails kept with this stream's template
+        (``learn_finish``): noted as ``observe`` notes it, without parsing it (its ids, its
+        text shown, the reason). None when it is not one."""
+        head = self.head
+        if head is None or self.guessed or not chunk.startswith(head):
+            return None
+        for tail, reason in self.finishes:
+            got = SCAN(chunk, 0, head, tail, strip, True)
+            if got is not None:
+                out, ids, _, text = got
+                if ids:
+                    self.lists.append(ids)
+                if text:
+                    self.reasoning_open = False
+                self.finish_reason = reason
+                self.shown = len(self.lists)
+                return out, text
+        return None
 
     def take_chunk(self, chunk: bytes, strip: bool) -> tuple[bytes, bool] | None:
         """Note a read that is one whole event, its ``\\n\\n`` included, when it is an

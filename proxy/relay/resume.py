@@ -186,6 +186,14 @@ class Resumer:
                                 events.advance(run[1])
                                 content = True
                             continue
+                        if (known := sp.take_known(ev, strip)) is not None:
+                            # The first chunk or a finish of bytes met before: noted unparsed.
+                            out.append(known[0])
+                            if known[1]:
+                                content = True
+                                if not call.started and alone:
+                                    break
+                            continue
                         obj, shown = sp.parse(ev)
                         if obj is sse.DONE:
                             ended = True
@@ -671,6 +679,9 @@ class _TokenRelay(StreamFlow):
         end = len(chunk) - 2
         if not chunk.endswith(b"\n\n") or sse.FIND(chunk, b"\n\n", 0, end) >= 0:
             return None
+        known = self.sp.take_finish(chunk, self.strip)
+        if known is not None:
+            return known
         event = chunk[:end]
         obj, shown = self.sp.parse(event)
         if not isinstance(obj, dict) or sse.is_error(obj):
@@ -689,6 +700,9 @@ def _noted(
     ended and its ids nulled when ``strip``; whether it carries content)."""
     if sp.head is None or sp.guessed:
         sp.learn_template(event, obj)  # a made template no chunk matched yet may be wrong
+    elif sp.finish_reason is not None:
+        sp.learn_finish(event, obj)  # the next stream's finish of these bytes: unparsed
+    sp.learn_role(event, obj)  # the next stream's first chunk of these bytes: unparsed
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
