@@ -197,6 +197,9 @@ def test_the_first_stream_parses_them_and_learns_only_from_what_notes_nothing_el
         role_chunk("c-2", 2, [2]).replace(b"[2]", b"[2"),
         role_chunk("c-2", 2, [2]) + b"}",
         role_chunk("c-2", 2, [2]).replace(b'"id":"c-2"', b'"id":"c-2","id":"c-3"'),
+        # a key again in another spelling: JSON's decoder keeps its last value
+        role_chunk("c-2", 2, [2]).replace(b'"prompt_text":null', b'"created" :1'),
+        role_chunk("c-2", 2, [2]).replace(b'"prompt_text":null', b'"\\u0069d":"c-1"'),
         role_chunk("c-2", 2, [2]).replace(b"c-2", b"c-\xff"),  # not UTF-8
     ],
 )
@@ -204,6 +207,21 @@ def test_a_first_chunk_of_other_bytes_is_parsed(other: bytes) -> None:
     ways, fast, slow = both_ways(stream("c-1", 1, [1]), [other])
     assert ways[0] != "known", other
     assert fast == slow
+
+
+@pytest.mark.parametrize("again", [b'"created" :1', b'"\\u0069d":"c-1"', b'"id" :"c-1"'])
+def test_a_first_chunk_naming_its_id_or_created_again_is_never_learned(again: bytes) -> None:
+    """JSON's decoder keeps a key's last value: a first chunk that names its id or created
+    again, in any spelling, after the place a kept shape would put the next stream's, would
+    note the first value unparsed and the last parsed."""
+
+    def odd(ev: bytes) -> bytes:
+        return ev.replace(b'"prompt_text":null', again)
+
+    teach = stream("c-1", 1, [1])
+    teach[0] = odd(teach[0])
+    ways, fast, slow = both_ways(teach, [odd(role_chunk("c-2", 7, [2]))])
+    assert ways[0] != "known" and fast == slow
 
 
 def test_a_finish_of_another_reason_or_shape_is_parsed_and_learned() -> None:
@@ -231,19 +249,65 @@ def test_a_finish_of_another_reason_or_shape_is_parsed_and_learned() -> None:
         assert fast == slow
 
 
-def test_a_finish_text_is_relayed_as_it_came_as_a_token_text_is() -> None:
-    """The unparsed path does not check a text's UTF-8, for a finish as for a token: bytes
-    that are not UTF-8 go to the client as the replica sent them (vLLM writes JSON from
-    Python: always UTF-8)."""
+@pytest.mark.parametrize("bad", [b"\xc3y", b"x\x01", b"\\q"])
+def test_a_finish_text_is_relayed_as_it_came_as_a_token_text_is(bad: bytes) -> None:
+    """The unparsed path does not check a text as a JSON string (its UTF-8, its control
+    bytes, its escapes), for a finish as for a token: such bytes go to the client as the
+    replica sent them, where a parse refuses the event (vLLM writes JSON from Python:
+    always UTF-8, its control bytes and quotes escaped)."""
     teach = stream("c-1", 1, [1])
     sp = Splice("chat", BODY, False, taught(teach))
     for ev in (role_chunk("c-2", 2, [2]), token_chunk("c-2", 2, " a", [5])):
         one_event(sp, ev, True, True)
     for ev, way in ((token_chunk("c-2", 2, "xy", [6]), "token"),
                     (finish_chunk("c-2", 2, "stop", "xy"), "known")):  # fmt: skip
-        bad = ev.replace(b"xy", b"\xc3y")
-        assert one_event(sp, bad, False, True) == (way, (bad + b"\n\n", True))
+        odd = ev.replace(b"xy", bad)
+        assert one_event(sp, odd, False, True) == (way, (odd + b"\n\n", True))
     assert sp.finish_reason == "stop"
+
+
+def test_a_cut_of_an_event_never_noted_teaches_no_first_chunk() -> None:
+    """An error event relayed after the start carries prompt ids ``parse`` cuts and is never
+    noted: the next event noted is not learned as a first chunk at that cut's offsets."""
+    shapes = Shapes()
+    sp = Splice("chat", BODY, False, shapes)
+    assert one_event(sp, token_chunk("c-1", 1, " a", [5]), True, True)[0] == "parsed"
+    pad = b"x" * 40
+    quiet = token_chunk("c-1", 1, "", []).replace(b"]}]}", b'],"pad":"' + pad + b'"}]}')
+    start = quiet.index(pad) + 5
+    head = b'data: {"error":{"code":400,"message":"'
+    err = head + b"y" * (start - len(head) - 23) + b'"},"prompt_token_ids":[1,2,3,4]}'
+    assert err.index(b"[1,") + 1 == start  # its ids where the next event has the pad's bytes
+    assert one_event(sp, err, True, True)[0] == "decided"
+    assert one_event(sp, quiet, True, True)[0] == "parsed"
+    assert shapes.role("chat", "m") is None
+
+
+def test_a_finish_whose_other_fields_a_scan_would_not_treat_alike_is_parsed() -> None:
+    """A stop_reason that is not a scalar (its lists are not the ones the scan nulls), and
+    a completion's finish with a delta (``observe`` reads its reasoning and tool calls)."""
+    teach = stream("c-1", 1, [1])
+    odd = b'"stop_reason":{"token_ids":[]}'
+    teach[3] = teach[3].replace(b'"stop_reason":null', odd)
+    events = [role_chunk("c-2", 2, [2]), token_chunk("c-2", 2, " a", [5]),
+              finish_chunk("c-2", 2, "stop", " c", [8]).replace(b'"stop_reason":null', odd)]  # fmt: skip
+    ways, fast, slow = both_ways(teach, events)
+    assert ways[2] != "known" and fast == slow
+    body = {"model": "m", "prompt": "x", "stream": True}
+
+    def completion(cid: str, reason: str | None, **extra: Any) -> bytes:
+        choice = {"index": 0, "text": " c", **extra, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": None, "token_ids": [8]}  # fmt: skip
+        return compact({"id": cid, "object": "text_completion", "created": 1, "model": "m",
+                        "choices": [choice]})  # fmt: skip
+
+    shapes = Shapes()
+    for cid in ("c-1", "c-2"):
+        sp = Splice("completion", body, False, shapes)
+        ways = [one_event(sp, completion(cid, None), True, True)[0],
+                one_event(sp, completion(cid, "stop", delta={"reasoning": "r"}), True, True)[0]]  # fmt: skip
+        assert ways[1] == "parsed" and sp.reasoning_open
+    assert sp.finishes == []
 
 
 def test_a_guessed_template_takes_no_finish_until_a_token_confirms_it() -> None:
@@ -253,12 +317,17 @@ def test_a_guessed_template_takes_no_finish_until_a_token_confirms_it() -> None:
 
 
 def _mutated(rng: random.Random, ev: bytes) -> bytes:
-    # Bytes that are not UTF-8 are left out: a token chunk's text is not checked for it on
-    # the unparsed path (the client gets the replica's bytes as they came), nor a finish's
-    # (``test_a_finish_text_is_relayed_as_it_came_as_a_token_text_is``), where a parse
-    # refuses them.
+    # Left out: bytes that are not UTF-8, and a control byte or a backslash put into a text.
+    # A text is not checked as a JSON string on the unparsed path, a token's or a finish's
+    # (``test_a_finish_text_is_relayed_as_it_came_as_a_token_text_is``): the client gets the
+    # replica's bytes as they came, where a parse refuses them.
+    mark = b'"content":"'
+    at = ev.find(mark)
+    text = range(at + len(mark), ev.find(b'"', at + len(mark))) if at >= 0 else range(0)
     while True:
-        out = _mutation(rng, ev)
+        out, i, byte = _mutation(rng, ev)
+        if i in text and (byte == 0x5C or byte < 0x20):
+            continue
         try:
             out.decode()
         except UnicodeDecodeError:
@@ -266,17 +335,20 @@ def _mutated(rng: random.Random, ev: bytes) -> bytes:
         return out
 
 
-def _mutation(rng: random.Random, ev: bytes) -> bytes:
+def _mutation(rng: random.Random, ev: bytes) -> tuple[bytes, int, int]:
+    """``ev`` changed, where, and the byte put there (-1 for none: unchanged or cut short)."""
     r = rng.random()
     if r < 0.3:
         i = rng.randrange(len(ev))
-        return ev[:i] + bytes([rng.randrange(256)]) + ev[i + 1 :]
+        byte = rng.randrange(256)
+        return ev[:i] + bytes([byte]) + ev[i + 1 :], i, byte
     if r < 0.4:
-        return ev[: rng.randrange(len(ev) + 1)]
+        return ev[: rng.randrange(len(ev) + 1)], -1, -1
     if r < 0.5:
         i = rng.randrange(len(ev))
-        return ev[:i] + rng.choice([b'"', b"\\", b"]", b",", b"0", b"\n", b"}"]) + ev[i:]
-    return ev
+        put = rng.choice([b'"', b"\\", b"]", b",", b"0", b"\n", b"}"])
+        return ev[:i] + put + ev[i:], i, put[0]
+    return ev, -1, -1
 
 
 def test_whatever_is_taken_unparsed_notes_and_writes_what_parsing_it_does() -> None:

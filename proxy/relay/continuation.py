@@ -246,8 +246,9 @@ _NULL_KEYS: Final = ("logprobs", "finish_reason", "stop_reason", "prompt_token_i
 # unparsed too. Whatever matches a made template is a chunk of a checked shape with this
 # stream's id and created; one that does not is parsed, and the stream learns its own.
 _ID_AT: Final = b'data: {"id":"'
-_ID_KEY: Final = b'"id":'
-_CREATED_KEY: Final = b'"created":'
+_ID_NAME: Final = b'"id"'
+_CREATED_NAME: Final = b'"created"'
+_CREATED_KEY: Final = _CREATED_NAME + b":"
 _SHAPES_KEPT: Final = 256  # models x kinds a gateway serves; past it the memory starts over
 _SHAPE_BYTES: Final = 4096  # a template's head and tail (vLLM's: about 150 bytes)
 
@@ -330,7 +331,7 @@ class Shapes:
         if not isinstance(model, str):
             return
         at = _identity(head, chunk_id, created)
-        if at is None:
+        if at is None or not _names_absent(tail, 0, len(tail)):
             return
         if len(head) + len(tail) > _SHAPE_BYTES:
             return  # a replica's model name of any size is not kept
@@ -366,9 +367,11 @@ class Shapes:
 
 def _identity(event: bytes, chunk_id: object, created: object) -> tuple[int, int, int] | None:
     """Where a chunk parsed with this id and created has them, when it starts
-    ``data: {"id":"<id>"``, holds no other ``"id":`` and one ``"created":<created>`` after
-    the id: (the id's closing quote, the created's digits, their end); else None. Only then
-    can a template hold everything but those two as bytes that parse the same for any."""
+    ``data: {"id":"<id>"``, holds one ``"created":<created>`` after the id and neither name
+    anywhere else, in any spelling (no backslash, so no escaped key; a name spaced from its
+    colon is still found): (the id's closing quote, the created's digits, their end); else
+    None. Only then can a template hold everything but those two as bytes that parse the
+    same for any: JSON's decoder keeps a key's last value."""
     ib = _plain_id(chunk_id)
     cb = _plain_created(created)
     if ib is None or cb is None:
@@ -377,16 +380,24 @@ def _identity(event: bytes, chunk_id: object, created: object) -> tuple[int, int
     if not event.startswith(_ID_AT) or not event.startswith(ib, len(_ID_AT)):
         return None
     n = len(event)
-    if not event.startswith(b'"', q) or FIND(event, _ID_KEY, len(_ID_AT), n) >= 0:
+    if not event.startswith(b'"', q) or not _names_absent(event, len(_ID_AT), n, True):
         return None
     at = FIND(event, _CREATED_KEY, q, n)
-    if at < 0 or RFIND(event, _CREATED_KEY, 0, n) != at:
+    if at < 0 or FIND(event, _CREATED_NAME, 0, n) != at or RFIND(event, _CREATED_NAME, 0, n) != at:
         return None
     at += len(_CREATED_KEY)
     end = at + len(cb)
     if not event.startswith(cb, at) or end >= n or event[end] not in b",}":
         return None
     return q, at, end
+
+
+def _names_absent(data: bytes, i: int, n: int, created_allowed: bool = False) -> bool:
+    """Whether ``data[i:n]`` holds no backslash and no ``"id"`` (nor ``"created"`` unless
+    ``created_allowed``): a part of a kept template that cannot name either again."""
+    if FIND(data, b"\\", i, n) >= 0 or FIND(data, _ID_NAME, i, n) >= 0:
+        return False
+    return created_allowed or FIND(data, _CREATED_NAME, i, n) < 0
 
 
 def _id_of(raw: bytes) -> str | None:
@@ -737,6 +748,9 @@ class Splice:
         """``sse.parse_event`` of one of this stream's events, the prompt ids it carries cut
         out unparsed (noted while none are, else dropped) and null in what it returns; and
         the event as the client gets it (its prompt ids null unless the client asked)."""
+        # An earlier event's cut, never noted (an error relayed after the start), is not this
+        # one's: ``learn_role`` reads the cut of the event it is given.
+        self._cut = None
         if event == _DONE_EVENT:
             return sse.DONE, event  # as vLLM ends every stream: told without a parse
         n = len(event)
@@ -898,7 +912,7 @@ class Splice:
         if at is None or at[0] != len(head):
             return
         tail = event[at[1] : at[2] + len(_TOKEN_IDS)]
-        if len(head) + len(tail) > _SHAPE_BYTES:
+        if len(head) + len(tail) > _SHAPE_BYTES or not _names_absent(tail, 0, len(tail)):
             return
         for kept, _ in self.finishes:
             if kept == tail:
@@ -933,12 +947,16 @@ class Splice:
         elif finish == "abort" or choice.get("finish_reason") != finish:
             return None  # an abort is decided on, never relayed unparsed
         elif choice.get("logprobs") is not None or choice.get("prompt_token_ids") is not None:
-            return None  # a stop_reason beside the finish stays in its tail's bytes
-        delta = choice.get("delta")
-        if self.kind == "chat" and (
-            not isinstance(delta, dict) or len(delta) != 1 or "content" not in delta
-        ):
             return None
+        elif not isinstance(choice.get("stop_reason"), (str, int, type(None))):
+            return None  # a scalar stop_reason stays in the tail's bytes; a list or object
+            # could hold ids the scan would not null
+        delta = choice.get("delta")
+        if self.kind == "chat":
+            if not isinstance(delta, dict) or len(delta) != 1 or "content" not in delta:
+                return None
+        elif "delta" in choice:
+            return None  # a completion's delta is read by ``observe`` (its content, reasoning)
         mark = _TEMPLATE_MARK[self.kind]
         start = FIND(event, mark, 0, n)
         if start < 0:
