@@ -1021,7 +1021,7 @@ class Splice:
             return None if role is None else (role, False)
         head = self.head
         if head is None or not self.finishes or not event.startswith(head):
-            return None
+            return None  # not even the event's copy with its end
         return self.take_finish(event + b"\n\n", strip)
 
     def take_role(self, event: bytes, strip: bool) -> bytes | None:
@@ -1081,18 +1081,16 @@ class Splice:
         (``learn_finish``): noted as ``observe`` notes it, without parsing it (its ids, its
         text shown, the reason). None when it is not one."""
         head = self.head
-        if head is None or self.guessed or not chunk.startswith(head):
+        finishes = self.finishes
+        if not finishes or head is None or self.guessed or not chunk.startswith(head):
             return None
-        for tail, reason in self.finishes:
+        for tail, reason in finishes:
             got = SCAN(chunk, 0, head, tail, strip, True)
             if got is not None:
                 out, ids, _, text = got
-                if ids:
-                    self.lists.append(ids)
-                if text:
-                    self.reasoning_open = False
+                self._note_scanned(ids, text)
                 self.finish_reason = reason
-                self.shown = len(self.lists)
+                self.shown = len(self.lists)  # as ``observe`` notes a finish, text or none
                 return out, text
         return None
 
