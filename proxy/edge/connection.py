@@ -69,6 +69,7 @@ from proxy.observe.metrics import Metrics
 log: Final = logging.getLogger("tokenlane")
 uvicorn_log: Final = logging.getLogger("uvicorn.error")
 _NO_OPTIONS: Final[dict[str, object]] = {}  # an extension's (empty) options, shared
+_parse_url: Final = httptools.parse_url  # a Final: compiled, not a module lookup a request
 
 
 class EdgeOwner(Protocol):
@@ -198,7 +199,9 @@ class GatewayProtocol:
         if edge is None:
             edge = config.tokenlane_edge = edge_for(config.loaded_app)
         self._edge: Edge = edge
-        self._bounds = edge.bounds(float(config.timeout_keep_alive))
+        # Typed: ``edge`` is read from the config's dict (Any), and so, untyped, would be
+        # every read of a bound (a generic attribute lookup, three a header).
+        self._bounds: Bounds = edge.bounds(float(config.timeout_keep_alive))
         # Per connection
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)  # until made
         self.flow = Flow(self.transport)
@@ -411,7 +414,7 @@ class GatewayProtocol:
         if parser.should_upgrade() and self._should_upgrade():
             self._upgrading = True  # the parser stops here; ``data_received`` hands it over
             return
-        parsed: Any = httptools.parse_url(self.url)
+        parsed: Any = _parse_url(self.url)
         raw_path: bytes = parsed.path
         query: bytes | None = parsed.query
         path = raw_path.decode("ascii")

@@ -97,6 +97,7 @@ class _Count:
 
 
 _ids: Final = _Count(int.from_bytes(os.urandom(4), "big"))
+_partial: Final = functools.partial  # a Final: compiled, not a module lookup per request
 _NO_EXTENSIONS: Final[dict[str, Any]] = {}  # a server that advertises none (never written to)
 _REQUEST_ID_OK: Final = frozenset(
     b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:"
@@ -152,7 +153,12 @@ def forwarding_headers(
 
 
 class EndpointParts(Protocol):
-    """What a relayed endpoint reads of the gateway (``proxy.gateway.Gateway`` has it all)."""
+    """What a relayed endpoint reads of the gateway (``proxy.gateway.Gateway`` has it all).
+
+    ``fleet``, ``estimator``, ``relay``, ``outcomes`` and ``tracer`` are the gateway's for its
+    life: an endpoint takes them once, when made (each read of the gateway, an interpreted
+    object, is a generic attribute lookup: a request made about fifteen). The rest is read per
+    request: a reload swaps ``policy`` and ``max_prefix_chars``."""
 
     policy: Policy
     fleet: Fleet
@@ -263,6 +269,11 @@ class RelayEndpoint:
     ) -> None:
         """``path`` is the relayed path, or ``RESPONSES_BY_ID`` for every path under it."""
         self.gw = parts
+        self.fleet = parts.fleet
+        self.estimator = parts.estimator
+        self.relay = parts.relay
+        self.outcomes = parts.outcomes
+        self.tracer = parts.tracer
         self.guard = guard
         self.path = path
         self.kind = kind
@@ -288,7 +299,7 @@ class RelayEndpoint:
         request_id: str | None = None
         call: Call | None = None
         listener: asyncio.Task[None] | None = None
-        hook = None
+        hook: ClientGoneHook | None = None  # typed: its reads and writes are native
         try:
             headers: list[tuple[bytes, bytes]] = []
             content_length = None
@@ -318,7 +329,8 @@ class RelayEndpoint:
                 headers = without_connection_named(headers, connection)
             client = sc.get("client")
             peer = client[0] if client else None
-            trusted = self._trusted(gw.policy.server.trusted_proxies, peer)
+            server = gw.policy.server
+            trusted = self._trusted(server.trusted_proxies, peer)
             headers += forwarding_headers(peer, chain, forwarded, trusted)
             request_id = request_id_from(rid)
             if gw.shutting_down:
@@ -327,7 +339,7 @@ class RelayEndpoint:
                 raise MethodNotAllowed(f"method {sc['method']} is not allowed on {self.path}")
             guard = self.guard
             key = guard.authenticate(sc["headers"]) if guard.enabled else None
-            limit = gw.policy.server.max_body_bytes
+            limit = server.max_body_bytes
             given = sc.get("extensions") or _NO_EXTENSIONS
             ext: dict[str, Any] = given if type(given) is dict else dict(given)
             writer = ext.get(DIRECT_BODY)
@@ -349,8 +361,9 @@ class RelayEndpoint:
                 previous = call.fields.get("previous_response_id")
                 if previous is not None:
                     await self._pin(call, previous)
-            if gw.tracer is not None:
-                gw.tracer.request_started(call)
+            tracer = self.tracer
+            if tracer is not None:
+                tracer.request_started(call)
             if key is not None:
                 guard.charge(key, call, policy.estimate.chars_per_token)
             hook = ext.get(CLIENT_GONE)
@@ -360,12 +373,12 @@ class RelayEndpoint:
                 call.task = hook.task
                 call.start_with_body = START_WITH_BODY in ext
                 call.body_writer = writer
-                hook.callback = functools.partial(_client_gone, call, hook)
+                hook.callback = _partial(_client_gone, call, hook)
             else:
                 call.task = asyncio.current_task()
                 listener = asyncio.create_task(_listen_for_disconnect(receive, call))
             try:
-                await gw.relay.run(call, send)
+                await self.relay.run(call, send)
             finally:
                 call.finished = True
                 call.body_writer = None  # the cycle (and its connection) not held by the record
@@ -413,10 +426,10 @@ class RelayEndpoint:
             if hook is not None:
                 hook.callback = None  # the connection outlives the request: keep no Call alive
             if call is not None:
-                if call.trace is not None and gw.tracer is not None:
-                    gw.tracer.request_finished(call)
+                if call.trace is not None and self.tracer is not None:
+                    self.tracer.request_finished(call)
                 # Recorded off this path, in a batch (``Outcomes``).
-                gw.outcomes.add(call, now() - call.received_at)
+                self.outcomes.add(call, now() - call.received_at)
 
     def _trusted(self, cidrs: list[str], peer: str | None) -> bool:
         """Whether ``peer`` is one of ``server.trusted_proxies`` (parsed once per policy)."""
@@ -448,7 +461,7 @@ class RelayEndpoint:
             stream = validate.wants_stream(body)
             # Messages and Responses streams always carry their usage.
             wants_usage = stream and (self.kind in _USAGE_ALWAYS or validate.wants_usage(body))
-            profile = profile_request(body, self.kind, gw.estimator, gw.max_prefix_chars)
+            profile = profile_request(body, self.kind, self.estimator, gw.max_prefix_chars)
             lane = match_lane(profile, policy.lanes).lane
         else:
             lane = policy.lanes[-1]
@@ -457,7 +470,7 @@ class RelayEndpoint:
                     body = validate.parse_json_object(raw)
                     m = body.get("model")
                     model = m if isinstance(m, str) else None
-        refuse_unknown_model(gw.fleet, model)
+        refuse_unknown_model(self.fleet, model)
         return Call(
             request_id=request_id,
             kind=self.kind,
@@ -478,8 +491,8 @@ class RelayEndpoint:
         """Send ``call`` to the one replica holding ``response_id``; an id the gateway does not
         know, or whose replica left the fleet, gets the 404 vLLM gives for an unknown id (any
         other replica would answer without the conversation, or with that same 404)."""
-        url = await self.gw.relay.homes.lookup(response_id)
-        if url is None or not any(r.url == url for r in self.gw.fleet.replicas()):
+        url = await self.relay.homes.lookup(response_id)
+        if url is None or not any(r.url == url for r in self.fleet.replicas()):
             raise unknown_response(response_id)
         call.pinned = url
 

@@ -53,10 +53,10 @@ class Picker:
         request (``Call.pinned``) has one replica or none."""
         lane = call.lane
         fleet = self.fleet
-        has_room = self.admission.has_room  # counts slots handed to queued requests
+        admission = self.admission  # its has_room counts slots handed to queued requests
         if call.pinned is not None:
             home = self.pinned_candidate(call)
-            if home is None or not has_room(home) or home in call.tried:
+            if home is None or not admission.has_room(home) or home in call.tried:
                 return None
             return home if self.admission.claim(home) else None
         for pool_name in (lane.pool, lane.spill_to):
@@ -66,7 +66,11 @@ class Picker:
             pool = fleet.pools.get(pool_name)
             if pool is None:
                 continue
-            cands = [r for r in pool.candidates(call.model) if has_room(r) and r not in call.tried]
+            cands = [
+                r
+                for r in pool.candidates(call.model)
+                if admission.has_room(r) and r not in call.tried
+            ]
             choice = None
             while cands:
                 choice = self._choose(pool, pool_name, cands, call)
