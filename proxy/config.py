@@ -368,7 +368,10 @@ class LaneConfig(_Strict):
     max_queue: int = key(256, "Bounded wait queue; full → 429.", "requests", ge=0)
     queue_timeout_s: float = key(10.0, "Longest wait before dispatch; then 503.", "s", gt=0)
     first_token_timeout_s: float = key(
-        30.0, "No content within this → retried elsewhere if nothing was sent.", "s", gt=0
+        30.0,
+        "No content within this (noticed within 10 ms) → retried elsewhere if nothing was sent.",
+        "s",
+        gt=0,
     )
     stream_idle_timeout_s: float = key(
         60.0, "A running stream silent this long is ended.", "s", gt=0

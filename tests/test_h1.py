@@ -270,6 +270,78 @@ async def test_a_connection_is_reused_until_its_keep_alive_expires(
         assert connections == [2]
 
 
+async def test_a_kept_connections_exchanges_share_one_read_timeout_timer(
+    client: UpstreamClient,
+) -> None:
+    """The read timeout's timer outlives an exchange: the next one on the connection takes it
+    over instead of making its own (a timer made and cancelled per request, before)."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    async with answering_each_request(ok) as (url, connections):
+        timers = []
+        for _ in range(3):
+            response = await send(client, url, read=60.0)
+            conn = connection_of(response)
+            assert await read_body(response) == b"ok"
+            await response.aclose()
+            timers.append(conn._timer)
+        assert connections == [1]
+        assert timers[0] is not None and not timers[0].cancelled()
+        assert timers[1] is timers[0] and timers[2] is timers[0]
+
+
+async def test_a_shorter_read_timeout_on_a_kept_connection_is_not_the_earlier_timers(
+    client: UpstreamClient,
+) -> None:
+    """A kept timer due later than the next exchange's timeout is replaced: the second
+    request, silent, fails at its own 0.2 s, not at the first one's 60 s."""
+    first_answered = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(2)  # the first request's body (its head was read)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        first_answered.set()
+        await reader.read()  # the second request: never answered
+
+    async with raw_server(serve) as (url, _):
+        response = await send(client, url, read=60.0)
+        conn = connection_of(response)
+        assert await read_body(response) == b"ok"
+        await response.aclose()
+        await first_answered.wait()
+        async with asyncio.timeout(30):  # a wide margin: broken, it would wait 60 s
+            with pytest.raises(UpstreamReadTimeout):
+                await send(client, url, read=0.2)
+        assert conn.error is not None  # it was that same connection that timed out
+
+
+async def test_a_read_timeout_timer_firing_between_exchanges_leaves_the_connection_usable(
+    client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fired = asyncio.Event()
+    check = h1.H1Connection._idle_check
+
+    def noting(conn: h1.H1Connection) -> None:
+        check(conn)
+        fired.set()
+
+    monkeypatch.setattr(h1.H1Connection, "_idle_check", noting)
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    async with answering_each_request(ok) as (url, connections):
+        response = await send(client, url, read=0.1)
+        conn = connection_of(response)
+        assert await read_body(response) == b"ok"
+        await response.aclose()
+        async with asyncio.timeout(30):  # a wide margin over its 0.1 s
+            await fired.wait()  # due while the connection is idle in the pool
+        assert conn.error is None and not conn.closed
+        response = await send(client, url, read=0.1)
+        assert connection_of(response) is conn
+        assert await read_body(response) == b"ok"
+        await response.aclose()
+        assert connections == [1]
+
+
 async def test_a_body_left_unread_closes_its_connection(client: UpstreamClient) -> None:
     # Each answer is never finished.
     async with answering_each_request(HEAD + chunk(b"part")) as (url, connections):

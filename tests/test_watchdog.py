@@ -1,21 +1,42 @@
 """The first-token watchdog (``proxy/relay/watchdog.py``): whose cancellation is whose, as
-``asyncio.timeout_at`` tells them apart. Every "did not fire" is asserted after a later timer
+``asyncio.timeout_at`` tells them apart, on a timer of its own and on the relay's shared ones
+(``Alarms``, late by up to ``SLOT_S``). Every "did not fire" is asserted after a later timer
 of the same loop has run: timers run in the order of their times."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from proxy.relay.watchdog import Watchdog
+from proxy.relay.watchdog import SLOT_S, Alarms
+from proxy.relay.watchdog import Watchdog as _Watchdog
+
+_SHARED: Alarms | None = None  # the timers the tests' watchdogs are armed on (``mode``)
+
+
+@pytest.fixture(autouse=True, params=["own timer", "shared timers"])
+def mode(request: pytest.FixtureRequest) -> Any:
+    """Every test twice: each watchdog on a timer of its own, then on shared ``Alarms``."""
+    global _SHARED
+    _SHARED = Alarms() if request.param == "shared timers" else None
+    yield request.param
+    _SHARED = None
+
+
+def Watchdog(  # stands in for the class in the tests below
+    loop: asyncio.AbstractEventLoop, when: float | None, task: Any = None
+) -> _Watchdog:
+    return _Watchdog(loop, when, task, _SHARED)
 
 
 async def _past(when: float) -> None:
-    """Return once the loop has run its timers up to ``when`` (and a hair beyond)."""
+    """Return once the loop has run its timers up to ``when`` (and a hair beyond; past the
+    slot it falls in, on shared timers)."""
     loop = asyncio.get_running_loop()
     passed = asyncio.Event()
-    loop.call_at(when + 0.002, passed.set)
+    loop.call_at(when + 0.002 + (SLOT_S if _SHARED is not None else 0.0), passed.set)
     await passed.wait()
 
 
@@ -74,7 +95,9 @@ async def test_fired_and_cancelled_from_outside_too_the_outside_one_wins() -> No
     assert task is not None
     when = loop.time() + 0.01
     watchdog = Watchdog(loop, when)
-    loop.call_at(when, task.cancel)  # after the watchdog's own timer, at the same time
+    # After the watchdog's own timer, at the same time (shared: its slot's end).
+    at = when if _SHARED is None else (int(when / SLOT_S) + 1) * SLOT_S
+    loop.call_at(at, task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await asyncio.Event().wait()
     assert watchdog.close(cancelled=True) is False  # the watchdog's is taken back only
@@ -118,3 +141,32 @@ async def test_given_its_task_it_cancels_that_one() -> None:
         await asyncio.Event().wait()
     assert watchdog.close(cancelled=True) is True
     assert task.cancelling() == 0
+
+
+async def test_shared_watchdogs_due_in_one_slot_share_its_timer_and_leave_it_when_closed() -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    alarms = Alarms()
+    # Three due within one slot (a slot starts at a multiple of SLOT_S), one far later.
+    start = (int(loop.time() / SLOT_S) + 5) * SLOT_S
+    near = [_Watchdog(loop, start + SLOT_S * f, task, alarms) for f in (0.1, 0.4, 0.7)]
+    far = _Watchdog(loop, start + 60, task, alarms)
+    assert len(alarms) == 4 and len(alarms._slots) == 2  # two slots: two timers
+    near[1].reschedule(None)
+    assert len(alarms) == 3
+    for w in (*near, far):
+        assert w.close(cancelled=False) is False
+    assert len(alarms) == 0
+    await _past(start + SLOT_S)  # the near slot's timer ran, its slot empty: nothing fired
+    assert len(alarms._slots) == 1  # the far one's slot waits for its timer (never cancelled)
+
+
+async def test_a_shared_watchdog_never_fires_before_its_time() -> None:
+    loop = asyncio.get_running_loop()
+    alarms = Alarms()
+    when = loop.time() + 0.03
+    watchdog = _Watchdog(loop, when, asyncio.current_task(), alarms)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.Event().wait()
+    assert loop.time() >= when - 0.001  # uvloop's timers are in milliseconds
+    assert watchdog.close(cancelled=True) is True

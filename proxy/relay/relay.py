@@ -61,7 +61,7 @@ from proxy.relay.retry import (
     judge,
 )
 from proxy.relay.upstream import UpstreamClient, make_client
-from proxy.relay.watchdog import Watchdog
+from proxy.relay.watchdog import Alarms, Watchdog
 from proxy.routing.admission import Admission
 from proxy.routing.cache_aware import PreciseFeeds
 from proxy.routing.pick import CANARY_POLL_S, Picker
@@ -142,6 +142,7 @@ class Relay:
         # waits for the replay's (a 5xx there too makes the request the common factor).
         self._deferred_5xx: dict[Call, Replica] = {}
         self.live: set[Call] = set()  # requests being relayed or queued (``cut_all``)
+        self.alarms = Alarms()  # the first-token watchdogs' shared timers
         self.picker = Picker(fleet, admission, metrics, policy, self.rng, share_placement, feeds)
         self.prompt_tokens = prompt_tokens
         self.responder = Responder(metrics, policy, tracer, self.homes)
@@ -398,7 +399,8 @@ class Relay:
                     fire_at = loop.time() + call.lane.first_token_timeout_s
                     if fire_at > deadline:
                         fire_at = deadline
-                watchdog = Watchdog(loop, fire_at, call.task)  # the task this runs in
+                # Named the task this runs in; on the shared timers (late by up to 10 ms).
+                watchdog = Watchdog(loop, fire_at, call.task, self.alarms)
                 try:
                     conn = await self.pool.send(
                         origin,
@@ -538,7 +540,7 @@ class Relay:
                 await response.aread()
                 busy = " (overloaded)" if fault in (Fault.BUSY_429, Fault.BUSY_503) else ""
                 raise AttemptFault(fault, f"{attempt.replica.name} answered {status}{busy}")
-            attempt.last_progress = time.monotonic()
+            attempt.last_progress = now()
         if call.stream and status == 200 and _is_event_stream(response):
             if call.continuation is not None:
                 await self.resumer.relay(call, attempt, response, send, watchdog)
