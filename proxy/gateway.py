@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import generate_latest
 
@@ -103,10 +103,10 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self.metrics = Metrics()
-        self.fleet = Fleet(policy, self.environ, metrics=self.metrics)
-        self.estimator = Estimator.from_config(policy.estimate)
+        self.fleet: Final = Fleet(policy, self.environ, metrics=self.metrics)
+        self.estimator: Final = Estimator.from_config(policy.estimate)
         recorder = Recorder(self.metrics, self.estimator)
-        self.outcomes = Outcomes(recorder, recorder.batch_done)
+        self.outcomes: Final = Outcomes(recorder, recorder.batch_done)
         self.admission = Admission(self.fleet, self.metrics, policy.lanes)
         # In-process unless redis.url is set: then ejections, load and rate limits are shared
         # with the other instances. The workers of one serve share them through their link
@@ -130,10 +130,10 @@ class Gateway:
         # holds up a health probe.
         self.render_client = make_client(policy)
         # Off (None) unless the OTEL_EXPORTER_OTLP_* variables name a collector.
-        self.tracer = tracer_from_environ(self.environ)
+        self.tracer: Final = tracer_from_environ(self.environ)
         # Replicas' KV cache events (precise cache_aware routing), subscribed to from start().
         self.feeds = KvEventFeeds(self.fleet, self.metrics)
-        self.relay = Relay(
+        self.relay: Final = Relay(
             self.client,
             admission=self.admission,
             fleet=self.fleet,

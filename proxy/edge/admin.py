@@ -39,11 +39,13 @@ from proxy.observe.metrics import Metrics
 
 
 class AdminGateway(Protocol):
-    fleet: Fleet
     metrics: Metrics
     policy: Policy
     environ: Mapping[str, str]
     needs_restart: list[str]
+
+    @property
+    def fleet(self) -> Fleet: ...  # the gateway's for its life
 
     async def reload(self) -> int: ...
 

@@ -161,14 +161,23 @@ class EndpointParts(Protocol):
     request: a reload swaps ``policy`` and ``max_prefix_chars``."""
 
     policy: Policy
-    fleet: Fleet
-    estimator: Estimator
     max_prefix_chars: int
-    relay: Relay
-    outcomes: Outcomes
-    tracer: Tracer | None  # None: tracing off (the OTEL_EXPORTER_OTLP_* variables unset)
     shutting_down: bool
     active_requests: int  # the endpoint counts itself in and out (the drain waits on it)
+
+    # Read-only here, and ``Final`` on the gateway: the type checker refuses any code that
+    # would put a new one in place of what the endpoints took.
+    @property
+    def fleet(self) -> Fleet: ...
+    @property
+    def estimator(self) -> Estimator: ...
+    @property
+    def relay(self) -> Relay: ...
+    @property
+    def outcomes(self) -> Outcomes: ...
+    @property
+    def tracer(self) -> Tracer | None:  # None: tracing off (OTEL_EXPORTER_OTLP_* unset)
+        ...
 
 
 def check_body_size(size: int, limit: int, content_length: int | None) -> None:

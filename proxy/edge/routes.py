@@ -58,9 +58,11 @@ class AppGateway(RealtimeParts, AdminGateway, Protocol):
 
     guard: Guard
     metrics: Metrics
-    outcomes: Outcomes
     shutting_down: bool
     version: int
+
+    @property
+    def outcomes(self) -> Outcomes: ...
 
     def ready(self) -> tuple[bool, list[str]]: ...
 

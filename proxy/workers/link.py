@@ -79,7 +79,9 @@ class LinkedGateway(Protocol):
     """What a worker's link does with its gateway (``proxy.gateway.Gateway``)."""
 
     admission: Admission
-    fleet: Fleet
+
+    @property
+    def fleet(self) -> Fleet: ...
 
     @property
     def relay(self) -> HomesHolder: ...
