@@ -146,13 +146,17 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+# What ``recording`` records unless told: every system call's entry and exit.
+SYSCALLS = ("-e", "raw_syscalls:sys_enter,raw_syscalls:sys_exit")
+
+
 @contextlib.contextmanager
-def recording(pid: int, out: Path) -> Iterator[None]:
-    """``perf record`` of the syscalls of ``pid``'s process tree (every thread) while the
-    block runs."""
+def recording(pid: int, out: Path, what: tuple[str, ...] = SYSCALLS) -> Iterator[None]:
+    """``perf record`` of ``pid``'s process tree (every thread) while the block runs: its
+    system calls, or what ``what`` (perf's options) says (``("-F", "1999")``: CPU samples)."""
     perf = perf_command()
     assert perf is not None
-    argv = [perf, "record", "-q", "-e", "raw_syscalls:sys_enter,raw_syscalls:sys_exit"]
+    argv = [perf, "record", "-q", *what]
     pids = ",".join(map(str, process_tree(pid)))
     proc = subprocess.Popen([*argv, "-p", pids, "-o", str(out)], stderr=subprocess.PIPE)
     # perf says nothing when it is attached; the file's header is written first.

@@ -11,24 +11,25 @@ pulled. With ``--continuation both`` the two runs are printed side by side.
 
     python -m loadtest.profile_perf [--seconds 10] [--continuation on|off|both] [--top 30]
 
-Needs ``perf`` (``apt-get install linux-perf``); the figures are shares of samples, so they
-do not drift with the machine as times do, but a symbol under 0.5 % is noise.
+Needs ``perf`` (``apt-get install linux-perf``). The shares drift less with the machine than
+times do; the µs (a share times the run's CPU per request) drift as that CPU does. A symbol
+under 0.5 % is noise.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvloop
 
 from . import gateways
 from .bench_overhead import burst_run, mocks
+from .bench_segments import perf_command, recording
 
 CONCURRENCY = 64
 
@@ -48,16 +49,31 @@ def shares(data: Path, key: str) -> list[tuple[float, str]]:
     return rows
 
 
-def profile(continuation: bool, seconds: float, data: Path) -> dict[str, float]:
+@dataclass(frozen=True)
+class Profile:
+    title: str
+    rps: float
+    cpu_ms_per_req: float
+    symbols: list[tuple[float, str]]  # (share %, symbol), largest first
+    objects: dict[str, float]  # shared object: share %
+
+    def us_per_req(self, share: float) -> float:
+        return share * self.cpu_ms_per_req * 10  # % of the ms a request costs, in µs
+
+
+def profile(continuation: bool, seconds: float, data: Path) -> Profile:
     """One gateway over fresh mocks, warmed, then sampled for ``seconds`` under the load."""
     with mocks(0) as ports, gateways.tokenlane(ports, 1, continuation) as gw:
         uvloop.run(burst_run(gw.port, CONCURRENCY, 1.0, gw.pid))  # connections and pools
-        argv = ["perf", "record", "-q", "-F", "1999", "-p", str(gw.pid), "-o", str(data)]
-        recorder = subprocess.Popen([*argv, "--", "sleep", str(seconds + 1.0)])
-        time.sleep(0.5)  # perf attached before the load starts
-        result = uvloop.run(burst_run(gw.port, CONCURRENCY, seconds, gw.pid))
-        recorder.wait()
-    return result.summary()
+        with recording(gw.pid, data, ("-F", "1999")):
+            load = uvloop.run(burst_run(gw.port, CONCURRENCY, seconds, gw.pid)).summary()
+    return Profile(
+        "continuation " + ("on" if continuation else "off"),
+        load["rps"],
+        load["cpu_ms_per_req"],
+        shares(data, "sym"),
+        {name: pct for pct, name in shares(data, "dso")},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,38 +82,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--continuation", choices=["on", "off", "both"], default="both")
     parser.add_argument("--top", type=int, default=30, help="symbols printed per run")
     args = parser.parse_args(argv)
-    if shutil.which("perf") is None:
+    if perf_command() is None:
         print("perf is not installed (apt-get install linux-perf)", file=sys.stderr)
         return 2
     runs = {"on": [True], "off": [False], "both": [True, False]}[args.continuation]
-    tables: list[tuple[str, dict[str, float], list[tuple[float, str]], dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for on in runs:
-            data = Path(tmp) / f"perf.{'on' if on else 'off'}"
-            load = profile(on, args.seconds, data)
-            dso = {name: pct for pct, name in shares(data, "dso")}
-            tables.append(("continuation " + ("on" if on else "off"), load,
-                           shares(data, "sym"), dso))  # fmt: skip
-    for title, load, syms, dso in tables:
-        print(f"== {title}: {load['rps']:.0f} req/s at c={CONCURRENCY}, "
-              f"{load['cpu_ms_per_req']:.3f} CPU ms/req (perf attached)")  # fmt: skip
+        profiles = [profile(on, args.seconds, Path(tmp) / f"perf.{on}") for on in runs]
+    for p in profiles:
+        print(f"== {p.title}: {p.rps:.0f} req/s at c={CONCURRENCY}, "
+              f"{p.cpu_ms_per_req:.3f} CPU ms/req (perf attached)")  # fmt: skip
         print("   by shared object (share, and that share of the CPU per request):")
-        for name, pct in sorted(dso.items(), key=lambda kv: -kv[1])[:10]:
-            print(f"   {pct:6.2f} %  {pct * load['cpu_ms_per_req'] * 10:6.1f} us/req  {name}")
+        for name, pct in sorted(p.objects.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"   {pct:6.2f} %  {p.us_per_req(pct):6.1f} us/req  {name}")
         print(f"   top {args.top} symbols ([k] kernel, [.] user):")
-        for pct, name in syms[: args.top]:
+        for pct, name in p.symbols[: args.top]:
             print(f"   {pct:6.2f} %  {name}")
-    if len(tables) == 2:
-        # In time, not share points: each share times its run's CPU per request.
-        (_, load_on, _, dso_on), (_, load_off, _, dso_off) = tables
-        us_on = {n: p * load_on["cpu_ms_per_req"] * 10 for n, p in dso_on.items()}
-        us_off = {n: p * load_off["cpu_ms_per_req"] * 10 for n, p in dso_off.items()}
+    if len(profiles) == 2:
+        on, off = profiles
         print("== CPU us per request by shared object, continuation on - off:")
-        names = set(us_on) | set(us_off)
-        for name in sorted(names, key=lambda n: -abs(us_on.get(n, 0) - us_off.get(n, 0))):
-            delta = us_on.get(name, 0.0) - us_off.get(name, 0.0)
-            if abs(delta) >= 0.3:
-                print(f"   {delta:+6.1f}  {name}")
+        delta = {
+            name: on.us_per_req(on.objects.get(name, 0.0))
+            - off.us_per_req(off.objects.get(name, 0.0))
+            for name in on.objects.keys() | off.objects.keys()
+        }
+        for name, us in sorted(delta.items(), key=lambda kv: -abs(kv[1])):
+            if abs(us) >= 0.3:
+                print(f"   {us:+6.1f}  {name}")
     return 0
 
 
