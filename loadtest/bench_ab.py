@@ -5,7 +5,9 @@ On the 2-core machine the same build measures up to 2x apart from one minute to 
 much as the builds. Here every gateway runs at once over the same two burst mocks, and the
 load alternates between them in short slices, in turn order A B, B A, ...; each slice of one
 gateway is paired with the same round's slice of the first, and the median of those paired
-differences is printed beside each gateway's medians. A tree is a git worktree
+differences is printed beside each gateway's medians; below them, each gateway's ratio to the
+first (the median of the rounds' ratios) and the middle half of those ratios (their first and
+third quartiles: how far the rounds agree). A tree is a git worktree
 (``git worktree add /tmp/before <commit>``), each run with its own sources by this project's
 virtualenv.
 
@@ -141,12 +143,31 @@ def main(argv: list[str] | None = None) -> int:
         mine, base = results[spec], results[first]
         cells = [f"{paired_ratio(mine[k], base[k]):.3f}x" for _, k, _ in columns]
         print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
+    # How far the rounds agree: on this VM a ratio of 10 rounds moves by several per cent
+    # from one run to the next, so a median alone would claim more than the rounds show.
+    header = " | ".join(f"{name:>16}" for name, _, _ in columns)
+    print(f"{'middle half of the rounds':<28} | {header}")
+    for spec, *_ in specs[1:]:
+        mine, base = results[spec], results[first]
+        spans = [ratio_quartiles(mine[k], base[k]) for _, k, _ in columns]
+        cells = [f"{lo:.3f}-{hi:.3f}x" for lo, hi in spans]
+        print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
     return 0
 
 
 def paired_ratio(mine: list[float], base: list[float]) -> float:
     """The median of each round's ratio of ``mine`` to ``base`` (nan where a base is 0)."""
     return statistics.median(a / b if b else float("nan") for a, b in zip(mine, base, strict=True))
+
+
+def ratio_quartiles(mine: list[float], base: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of the rounds' ratios of ``mine`` to ``base``: the
+    middle half of the rounds lies between them (a single round: its ratio, twice)."""
+    ratios = [a / b if b else float("nan") for a, b in zip(mine, base, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
 
 
 def run(

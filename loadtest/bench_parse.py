@@ -8,8 +8,11 @@ whole per-event path of ``proxy/relay/resume.py`` (split, parse, note the ids, s
 content) with each decoder, and an ordinary token chunk relayed unparsed against the stream's
 learned template (what every token chunk after the first pays now); and a read of 64 token
 chunks (a burst, or a reader that fell behind) taken event by event against as one run
-(``Splice.take_run``). A plain stream pays none of this after its first content. Last, what
-every request pays for its access-log line: ``json.dumps`` (before) against ``encode_line``.
+(``Splice.take_run``). A plain stream pays none of this after its first content. Then what
+a continuable request pays per request over the overhead benchmark's burst (the mocks' 64-token
+stream in one read, as vLLM writes it): marking it, its first chunk, its token run and its
+finish, beside what the plain relay parses of the same stream. Last, what every request pays
+for its access-log line: ``json.dumps`` (before) against ``encode_line``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from loadtest.bench_decisions import per_call_us
+from loadtest.fake_upstream import MODEL, stream_events
+from proxy.config import ContinuationConfig
 from proxy.observe.accessline import encode_line
 from proxy.relay import continuation as cont
 from proxy.relay import sse
@@ -115,6 +120,60 @@ def per_event_in_a_read(runs: bool, target_s: float, n: int = 64) -> float:
     return per_call_us(one, target_s) / n
 
 
+def per_request_steps(target_s: float) -> list[tuple[str, float]]:
+    """µs per request of the continuable relay's steps over one burst, each as the relay's loop
+    takes it once a stream of the same model taught the templates (``Shapes``), and of the
+    plain relay's parse of the same stream up to its first content."""
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                            "stream": True, "max_tokens": 64}  # fmt: skip
+    raw = json.dumps(body).encode()
+    events = stream_events(64, token_ids=True)
+    role, token, finish = (ev[:-2] for ev in (events[0], events[1], events[-2]))
+    shapes = cont.Shapes()
+    teacher = cont.Splice("chat", body, False, shapes)  # the first stream: parsed, learned
+    for ev, learn in ((role, teacher.learn_role), (token, teacher.learn_template),
+                      (finish, teacher.learn_finish)):  # fmt: skip
+        obj, _ = teacher.parse(ev)
+        teacher.observe(obj)
+        learn(ev, obj)
+    policy = ContinuationConfig()
+    burst = b"".join(events)
+    run_at = len(events[0]) + len(events[1])
+    taken = cont.Splice("chat", body, False, shapes)
+    assert taken.take_role(role, True) is not None, "the first chunk is not taken unparsed"
+    assert taken.take_run(burst, run_at, True) is not None, "the tokens are not a run"
+    assert taken.take_finish(finish + b"\n\n", True) is not None, "the finish is parsed"
+
+    def mark() -> None:
+        cont.refusal_under(policy, True, "chat", body)
+        cont.Splice("chat", body, False, shapes)
+        cont.forward_body(raw, body)
+
+    def first_chunk() -> None:
+        cont.Splice("chat", body, False, shapes).take_role(role, True)
+
+    def token_run() -> None:
+        taken.take_run(burst, run_at, True)
+        del taken.lists[:]
+
+    plain = b"".join(stream_events(64))
+
+    def plain_parse() -> None:
+        buffer = sse.EventBuffer()
+        for ev in buffer.feed(plain):
+            if sse.carries_content(sse.parse_event(ev)):
+                break
+
+    return [
+        ("per request, mark (eligibility, Splice, body)", per_call_us(mark, target_s)),
+        ("per request, a Splice and its first chunk", per_call_us(first_chunk, target_s)),
+        ("per request, 63 token chunks as one run", per_call_us(token_run, target_s)),
+        ("per request, the finish (take_finish)",
+         per_call_us(lambda: taken.take_finish(finish + b"\n\n", True), target_s)),
+        ("per request, plain relay: parse to the content", per_call_us(plain_parse, target_s)),
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target-s", type=float, default=0.1, help="seconds per timed batch")
@@ -136,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         ("per event, a token chunk unparsed (template)", per_token_chunk(t)),
         ("per event, 64 in a read, one by one (take_event)", per_event_in_a_read(False, t)),
         ("per event, 64 in a read, as a run (take_run)", per_event_in_a_read(True, t)),
+        *per_request_steps(t),
         ("per access line, json.dumps (before)", per_call_us(lambda: _old_line(record), t)),
         ("per access line, encode_line (msgspec)", per_call_us(lambda: encode_line(record), t)),
     ]

@@ -71,24 +71,32 @@ def _chunk(
     ids: list[int] | None = None,
     prompt_ids: list[int] | None = None,
 ) -> bytes:
-    """One chat chunk as vLLM writes it (compact JSON); ``i == 0`` is the role-only chunk.
-    ``ids`` (the choice's ``token_ids``) and ``prompt_ids`` (top-level ``prompt_token_ids``)
-    appear as vLLM adds them when the request asked for ``return_token_ids``."""
-    delta: dict[str, Any] = {"content": content} if content is not None else {}
+    """One chat chunk as vLLM writes it (compact JSON, its keys in vLLM's order:
+    ``tests/fixtures/vllm_chat_stream.txt``); ``i == 0`` is the role-only chunk. vLLM writes
+    the choice's ``token_ids`` on every other chunk and ``prompt_token_ids`` and
+    ``prompt_text`` after the role chunk's choices, null unless the request asked for
+    ``return_token_ids``: then ``ids`` and ``prompt_ids`` are theirs."""
+    choice: dict[str, Any] = {"index": 0}
     if i == 0:
-        delta = {"role": "assistant", "content": ""}
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    if ids is not None:
+        choice["delta"] = {"role": "assistant", "content": ""}
+    else:
+        choice["delta"] = {"content": content} if content is not None else {}
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish
+    if finish is not None:
+        choice["stop_reason"] = None
+    if i != 0:
         choice["token_ids"] = ids
     obj: dict[str, Any] = {
         "id": "chatcmpl-fake",
         "object": "chat.completion.chunk",
         "created": 1779182750,
         "model": MODEL,
+        "choices": [choice],
     }
-    if prompt_ids is not None:
+    if i == 0:
         obj["prompt_token_ids"] = prompt_ids
-    obj["choices"] = [choice]
+        obj["prompt_text"] = None
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -105,7 +113,7 @@ def stream_events(
     if token_ids:
         # Ids of a 150,000-token vocabulary's size, as long on the wire as a real prompt's.
         prompt_ids = [100_000 + i for i in range(prompt_tokens)]
-        events = [_chunk(0, None, ids=[], prompt_ids=prompt_ids)]
+        events = [_chunk(0, None, prompt_ids=prompt_ids)]
     else:
         events = [_chunk(0, None)]
     if token_bytes:

@@ -8,6 +8,7 @@ import heapq
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,13 +44,22 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     assert rows[0].count("(+0.000)") == 1 and rows[0].count("(+0)") == 1
     cells = [float(cell.split()[0]) for cell in rows[1].split(" | ")[1:]]
     assert len(cells) == 3 and all(figure > 0 for figure in cells), rows[1]
-    # Each later tree's ratios to the first, round by round.
-    ratios = lines[at + 1 :]
-    assert [row.split(" | ")[0].strip() for row in ratios] == [
-        f"{ROOT}:1 (2) / {ROOT}",
-        f"{ROOT}:1 (3) / {ROOT}",
-    ]
+    # Each later tree's ratios to the first, round by round, then the middle half of them.
+    spread = next(i for i, line in enumerate(lines) if line.startswith("middle half"))
+    ratios, spans = lines[at + 1 : spread], lines[spread + 1 :]
+    named = [f"{ROOT}:1 (2) / {ROOT}", f"{ROOT}:1 (3) / {ROOT}"]
+    assert [row.split(" | ")[0].strip() for row in ratios] == named
+    assert [row.split(" | ")[0].strip() for row in spans] == named
     assert all(float(c.strip().rstrip("x")) > 0 for r in ratios for c in r.split(" | ")[1:])
+    for row, ratio_row in zip(spans, ratios, strict=True):
+        for cell, ratio in zip(row.split(" | ")[1:], ratio_row.split(" | ")[1:], strict=True):
+            lo, hi = (float(x) for x in cell.strip().rstrip("x").split("-"))
+            assert lo <= float(ratio.strip().rstrip("x")) <= hi, (cell, ratio)
+
+
+def test_the_middle_half_of_the_rounds_ratios_is_their_quartiles() -> None:
+    assert bench_ab.ratio_quartiles([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5) == (2.0, 4.0)
+    assert bench_ab.ratio_quartiles([3.0], [2.0]) == (1.5, 1.5)
 
 
 def test_a_paired_ratio_is_the_median_of_the_rounds_ratios() -> None:
@@ -82,6 +92,33 @@ def test_the_long_prompt_run_sends_a_prompt_whose_ids_the_mock_sends_back() -> N
     assert len(role) > 14_000  # as long as vLLM's for such a prompt (6-digit ids)
     usage = stream_events(2, usage=True, prompt_tokens=300)[-2]
     assert json.loads(usage[6:])["usage"]["prompt_tokens"] == 300
+
+
+def _shape(event: bytes) -> list[Any]:
+    """A chunk's keys in order, its choice's after them, and which ids it carries (null or a list)."""
+    obj = json.loads(event[6:])
+    choice = obj["choices"][0] if obj["choices"] else {}
+    ids = [type(obj.get("prompt_token_ids")).__name__, type(choice.get("token_ids")).__name__]
+    return [list(obj), list(choice), ids]
+
+
+def test_the_mocks_chunks_have_vllms_keys_in_vllms_order() -> None:
+    # As vLLM writes them (the fixture): the choice's token ids null on every chunk but the
+    # first, the prompt's ids and text null after the first chunk's choices, unless the request
+    # asked for return_token_ids; then the same keys carry the lists. The benchmarks relay these
+    # bytes, so a gateway that asks for ids relays no more than one that does not, bar the ids.
+    fixture = (ROOT / "tests/fixtures/vllm_chat_stream.txt").read_bytes().split(b"\n\n")
+    role, content, finish = fixture[0], fixture[1], fixture[-4]
+    plain = stream_events(2)
+    assert [_shape(e) for e in (plain[0], plain[1], plain[-2])] == [
+        _shape(e) for e in (role, content, finish)
+    ]
+    asked = stream_events(2, token_ids=True)
+    lists = [_shape(e)[2] for e in (asked[0], asked[1], asked[-2])]
+    assert lists == [["list", "NoneType"], ["NoneType", "list"], ["NoneType", "list"]]
+    assert [_shape(e)[:2] for e in (asked[0], asked[1], asked[-2])] == [
+        _shape(e)[:2] for e in (role, content, finish)
+    ]
 
 
 def test_the_mock_makes_a_streams_events_once_per_shape() -> None:

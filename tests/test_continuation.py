@@ -53,9 +53,7 @@ MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
 BASE: dict[str, Any] = {"messages": MSGS, "stream": True}
 
 
-@pytest.mark.parametrize(
-    ("kind", "extra", "expected"),
-    [
+ELIGIBILITY: list[tuple[str, dict[str, Any], Refusal | None]] = [
         ("chat", {}, None),
         ("chat", {"n": 1}, None),
         ("chat", {"n": 2}, Refusal.N),
@@ -81,8 +79,10 @@ BASE: dict[str, Any] = {"messages": MSGS, "stream": True}
          None),
         ("chat", {"stream_options": {"continuous_usage_stats": True}}, Refusal.USAGE_STATS),
         ("chat", {"seed": 1, "temperature": 0.7}, None),
-    ],
-)  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "extra", "expected"), ELIGIBILITY)
 def test_eligibility_table(kind: str, extra: dict[str, Any], expected: Refusal | None) -> None:
     body = {**BASE, **extra}
     if kind == "completion":
@@ -108,6 +108,26 @@ def test_seeded_refused_only_when_the_policy_says(
 
 def test_disabled_refuses_everything() -> None:
     assert eligibility("chat", BASE, enabled=False, refuse_when_seeded=False) is Refusal.DISABLED
+
+
+def test_every_field_a_refusal_reads_is_one_the_quick_path_watches() -> None:
+    # A body with none of ``_REFUSING_KEYS`` is judged on its messages or prompt alone: each
+    # refusal the table shows for another field must come from a field in that set.
+    for _, extra, expected in [*ELIGIBILITY, ("chat", {"seed": 1}, Refusal.SEEDED)]:
+        if expected is not None:
+            assert set(extra) - {"messages", "prompt"} <= cont._REFUSING_KEYS or (
+                expected is Refusal.CONTENT and set(extra) <= {"messages", "prompt"}
+            ), extra
+
+
+def test_a_refusal_keeps_its_order_when_a_field_and_the_content_both_refuse() -> None:
+    image = [{"role": "user", "content": [{"type": "image_url"}]}]
+    both = {**BASE, "messages": image, "stop": "x"}
+    assert eligibility("chat", both, enabled=True, refuse_when_seeded=False) is Refusal.STOP
+    only_content = {**BASE, "messages": image, "max_tokens": 8}
+    assert eligibility("chat", only_content, enabled=True, refuse_when_seeded=False) is (
+        Refusal.CONTENT
+    )
 
 
 def test_strip_ids_nulls_the_lists_and_keeps_json_valid() -> None:

@@ -83,6 +83,16 @@ SAMPLING_KEYS: Final = (
 )  # fmt: skip
 
 
+# Every field whose presence can refuse a stream before its messages or prompt are read
+# (``eligibility``'s order): a body with none of them (most requests: model, messages, stream,
+# max_tokens) is judged on its content alone, without a lookup per field.
+_REFUSING_KEYS: Final = frozenset(
+    ("n", "best_of", "tools", "functions", "response_format", *_STRUCTURED_KEYS, "logprobs",
+     "top_logprobs", "prompt_logprobs", "stop", "echo", "kv_transfer_params", "stream_options",
+     "seed")
+)  # fmt: skip
+
+
 def _truthy_list(value: Any) -> bool:
     return bool(value) if isinstance(value, (list, str, dict)) else value is not None
 
@@ -99,6 +109,11 @@ def eligibility(
         return Refusal.DISABLED
     if kind != "chat" and kind != "completion":
         return Refusal.API
+    for key in body:
+        if key in _REFUSING_KEYS:
+            break
+    else:
+        return _content_refusal(kind, body)
     for key in ("n", "best_of"):
         v = body.get(key)
         if v is not None and v != 1:
@@ -117,6 +132,23 @@ def eligibility(
         return Refusal.STOP
     if body.get("echo") or body.get("kv_transfer_params") is not None:
         return Refusal.CONTENT
+    refusal = _content_refusal(kind, body)
+    if refusal is not None:
+        return refusal
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return Refusal.USAGE_STATS
+    if refuse_when_seeded and body.get("seed") is not None:
+        temperature = body.get("temperature")
+        # Unset means the model's default, which is sampling for most models.
+        if temperature is None or temperature > 0:
+            return Refusal.SEEDED
+    return None
+
+
+def _content_refusal(kind: str, body: dict[str, Any]) -> Refusal | None:
+    """``Refusal.CONTENT`` for a message part that is not text, or a prompt that is a batch
+    or missing; else None."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -127,19 +159,11 @@ def eligibility(
                 not isinstance(p, dict) or p.get("type") != "text" for p in content
             ):
                 return Refusal.CONTENT
-    else:
-        prompt = body.get("prompt")
-        token_prompt = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-        if not (isinstance(prompt, str) or (token_prompt and prompt)):
-            return Refusal.CONTENT  # a batch of prompts, or none
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        return Refusal.USAGE_STATS
-    if refuse_when_seeded and body.get("seed") is not None:
-        temperature = body.get("temperature")
-        # Unset means the model's default, which is sampling for most models.
-        if temperature is None or temperature > 0:
-            return Refusal.SEEDED
+        return None
+    prompt = body.get("prompt")
+    token_prompt = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    if not (isinstance(prompt, str) or (token_prompt and prompt)):
+        return Refusal.CONTENT  # a batch of prompts, or none
     return None
 
 
@@ -344,16 +368,23 @@ class Shapes:
     ) -> tuple[bytes, bytes, FinishTails] | None:
         """The head, tail and finish tails of a stream of ``kind`` whose chunks carry this
         model, id and created, made from the template kept for them; None when there is none."""
+        ib = _plain_id(chunk_id)
+        cb = _plain_created(created)
+        if ib is None or cb is None:
+            return None
+        return self.made_of(kind, model, ib, cb)
+
+    def made_of(
+        self, kind: str, model: object, ib: bytes, cb: bytes
+    ) -> tuple[bytes, bytes, FinishTails] | None:
+        """``made`` of an id and a created already as a template holds them (``_plain_id``,
+        ``_plain_created``): a first chunk's own bytes, as ``Splice.take_role`` checked them."""
         if not isinstance(model, str):
             return None
         kept = self._kept.get((kind, model))
         if kept is None:
             return None
-        ib = _plain_id(chunk_id)
-        cb = _plain_created(created)
-        if ib is None or cb is None:
-            return None
-        return _ID_AT + ib + kept[0] + cb + kept[1], kept[2], kept[3]
+        return b"".join((_ID_AT, ib, kept[0], cb, kept[1])), kept[2], kept[3]
 
     def learn_role(self, kind: str, asked: str, role: RoleShape) -> None:
         """Keep the first chunk of a stream whose request named model ``asked``."""
@@ -690,6 +721,7 @@ class Splice:
         "max_tokens",
         "model",
         "reasoning_open",
+        "relayed",
         "seams",
         "shapes",
         "shown",
@@ -741,6 +773,8 @@ class Splice:
         self.tail = b""
         self.guessed = False  # ``head`` made from ``shapes``, no chunk taken with it yet
         self.finishes: FinishTails = []  # the finish tails of ``head`` (``learn_finish``)
+        # An attempt's relay took it: a retry before anything was sent starts from a new one.
+        self.relayed = False
 
     # -- the first segment -----------------------------------------------------------------
 
@@ -779,8 +813,8 @@ class Splice:
                     return obj, event if self.client_wants_ids else nulled
         return sse.parse_event(event), event
 
-    def _made(self, shapes: Shapes) -> None:
-        made = shapes.made(self.kind, self.model, self.id, self.created)
+    def _made(self, made: tuple[bytes, bytes, FinishTails] | None) -> None:
+        """Take the template ``Shapes`` made for this stream, if any, until a chunk confirms it."""
         if made is not None:
             self.head, self.tail, self.finishes = made
             self.guessed = True
@@ -803,7 +837,7 @@ class Splice:
             self.model = obj.get("model")
             shapes = self.shapes
             if shapes is not None and self.head is None:
-                self._made(shapes)
+                self._made(shapes.made(self.kind, self.model, self.id, self.created))
         fp = obj.get("system_fingerprint")
         if fp is not None and self.system_fingerprint is None:
             self.system_fingerprint = fp
@@ -1061,14 +1095,19 @@ class Splice:
             or FIND(event, b"\n", start, end) >= 0
         ):
             return None
-        chunk_id = _id_of(event[len(_ID_AT) : q])
+        raw_id = event[len(_ID_AT) : q]
+        chunk_id = _id_of(raw_id)
         if chunk_id is None:
             return None
+        raw_created = event[digits:digits_end]
         self.id = chunk_id
-        self.created = int(event[digits:digits_end])
+        self.created = int(raw_created)
         self.model = role.model
         if self.head is None:
-            self._made(shapes)
+            # The id's bytes hold no quote (``q`` is the first), backslash or control byte
+            # (``_id_of``) and the created's are an int as JSON writes it (``_int_end``):
+            # both as ``_plain_id`` and ``_plain_created`` would make them again.
+            self._made(shapes.made_of(self.kind, role.model, raw_id, raw_created))
         if role.fingerprint is not None and self.system_fingerprint is None:
             self.system_fingerprint = role.fingerprint
         self._prompt = event[start:end]

@@ -131,10 +131,11 @@ class Resumer:
         hidden from a client that did not ask for them), and a failure after content reached
         the client is continued on another replica (``_continue``)."""
         sp: cont.Splice = call.continuation
-        if not call.started:  # a retry before anything was sent starts afresh
+        if sp.relayed and not call.started:  # a retry before anything was sent starts afresh
             fresh = cont.Splice(sp.kind, sp.body, sp.wants_usage, self.shapes)
             fresh.deadline = sp.deadline
             sp = call.continuation = fresh
+        sp.relayed = True
         strip = not sp.client_wants_ids
         name = attempt.replica.name
         events = sse.EventBuffer()
