@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+FINGERPRINT = "vllm-fake"  # what vLLM's usage chunk names as its system_fingerprint
 
 
 @dataclass
@@ -128,16 +129,17 @@ def stream_events(
     if usage:
         u = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": tokens,
             "total_tokens": prompt_tokens + tokens,
+            "completion_tokens": tokens,
         }
         obj = {
             "id": "chatcmpl-fake",
             "object": "chat.completion.chunk",
-            "created": 1,
+            "created": 1779182750,
             "model": MODEL,
             "choices": [],
             "usage": u,
+            "system_fingerprint": FINGERPRINT,
         }
         events.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")

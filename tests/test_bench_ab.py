@@ -108,11 +108,12 @@ def test_the_mocks_chunks_have_vllms_keys_in_vllms_order() -> None:
     # asked for return_token_ids; then the same keys carry the lists. The benchmarks relay these
     # bytes, so a gateway that asks for ids relays no more than one that does not, bar the ids.
     fixture = (ROOT / "tests/fixtures/vllm_chat_stream.txt").read_bytes().split(b"\n\n")
-    role, content, finish = fixture[0], fixture[1], fixture[-4]
-    plain = stream_events(2)
-    assert [_shape(e) for e in (plain[0], plain[1], plain[-2])] == [
-        _shape(e) for e in (role, content, finish)
+    role, content, finish, usage = fixture[0], fixture[1], fixture[-4], fixture[-3]
+    plain = stream_events(2, usage=True)
+    assert [_shape(e) for e in (plain[0], plain[1], plain[-3], plain[-2])] == [
+        _shape(e) for e in (role, content, finish, usage)
     ]
+    assert list(json.loads(plain[-2][6:])["usage"]) == list(json.loads(usage[6:])["usage"])
     asked = stream_events(2, token_ids=True)
     lists = [_shape(e)[2] for e in (asked[0], asked[1], asked[-2])]
     assert lists == [["list", "NoneType"], ["NoneType", "list"], ["NoneType", "list"]]

@@ -13,4 +13,7 @@ def test_bench_parse_prints_every_row(capsys: pytest.CaptureFixture[str]) -> Non
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("what")
     rows = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in lines[1:]}
-    assert len(rows) == 11 and all(us > 0 for us in rows.values()), rows
+    assert len(rows) == 16 and all(us > 0 for us in rows.values()), rows
+    # A continuable request's own steps over the mocks' burst, beside the plain relay's parse.
+    per_request = [name for name in rows if name.startswith("per request,")]
+    assert len(per_request) == 5 and "per request, plain relay: parse to the content" in rows
