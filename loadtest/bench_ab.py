@@ -155,15 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _ratios(mine: list[float], base: list[float]) -> list[float]:
+    """Each round's ratio of ``mine`` to ``base`` (nan where a base is 0)."""
+    return [a / b if b else float("nan") for a, b in zip(mine, base, strict=True)]
+
+
 def paired_ratio(mine: list[float], base: list[float]) -> float:
-    """The median of each round's ratio of ``mine`` to ``base`` (nan where a base is 0)."""
-    return statistics.median(a / b if b else float("nan") for a, b in zip(mine, base, strict=True))
+    """The median of each round's ratio of ``mine`` to ``base``."""
+    return statistics.median(_ratios(mine, base))
 
 
 def ratio_quartiles(mine: list[float], base: list[float]) -> tuple[float, float]:
     """The first and third quartiles of the rounds' ratios of ``mine`` to ``base``: the
     middle half of the rounds lies between them (a single round: its ratio, twice)."""
-    ratios = [a / b if b else float("nan") for a, b in zip(mine, base, strict=True)]
+    ratios = _ratios(mine, base)
     if len(ratios) < 2:
         return ratios[0], ratios[0]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")

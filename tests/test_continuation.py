@@ -120,6 +120,35 @@ def test_every_field_a_refusal_reads_is_one_the_quick_path_watches() -> None:
             ), extra
 
 
+# Fields a request may carry, each with values that refuse where any value of it can, and
+# fields no refusal reads on their own.
+_FIELD_VALUES: dict[str, list[Any]] = {
+    "n": [1, 2], "best_of": [3], "tools": [[{"type": "function"}], []],
+    "functions": [[{"name": "f"}]], "tool_choice": ["none", "auto"],
+    "response_format": [{"type": "json_object"}, {"type": "text"}],
+    **{k: [{"json": {}}] for k in cont._STRUCTURED_KEYS},
+    "logprobs": [True, False, 2], "top_logprobs": [3], "prompt_logprobs": [1],
+    "stop": ["x", [], ["\n"]], "echo": [True], "kv_transfer_params": [{}],
+    "stream_options": [{"continuous_usage_stats": True}, {"include_usage": True}],
+    "seed": [1], "temperature": [0, 0.7], "top_p": [0.9], "max_tokens": [8], "user": ["u"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_the_quick_path_judges_every_body_as_the_full_checks_do(seeded: bool) -> None:
+    # ``"n": 1`` refuses nothing but is one of ``_REFUSING_KEYS``: with it, every check runs.
+    image = [{"role": "user", "content": [{"type": "x"}]}]
+    contents = [("chat", {"messages": MSGS}), ("chat", {"messages": image}),
+                ("completion", {"prompt": "x"}), ("completion", {"prompt": ["a"]})]  # fmt: skip
+    fields = [(k, v) for k, values in _FIELD_VALUES.items() if k != "n" for v in values]
+    for kind, content in contents:
+        for key, value in fields:
+            body = {**content, "stream": True, key: value}
+            quick = eligibility(kind, body, enabled=True, refuse_when_seeded=seeded)
+            full = eligibility(kind, {**body, "n": 1}, enabled=True, refuse_when_seeded=seeded)
+            assert quick == full, (kind, body)
+
+
 def test_a_refusal_keeps_its_order_when_a_field_and_the_content_both_refuse() -> None:
     image = [{"role": "user", "content": [{"type": "image_url"}]}]
     both = {**BASE, "messages": image, "stop": "x"}

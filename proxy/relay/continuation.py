@@ -83,13 +83,17 @@ SAMPLING_KEYS: Final = (
 )  # fmt: skip
 
 
+# The other fields a refusal reads, named once for ``eligibility``'s checks and for
+# ``_REFUSING_KEYS``.
+_N_KEYS: Final = ("n", "best_of")
+_LOGPROBS_KEYS: Final = ("logprobs", "top_logprobs", "prompt_logprobs")
 # Every field whose presence can refuse a stream before its messages or prompt are read
-# (``eligibility``'s order): a body with none of them (most requests: model, messages, stream,
-# max_tokens) is judged on its content alone, without a lookup per field.
+# (``tool_choice`` and ``temperature`` only qualify ``tools`` and ``seed``): a body with none of
+# them (most requests: model, messages, stream, max_tokens) is judged on its content alone,
+# without a lookup per field.
 _REFUSING_KEYS: Final = frozenset(
-    ("n", "best_of", "tools", "functions", "response_format", *_STRUCTURED_KEYS, "logprobs",
-     "top_logprobs", "prompt_logprobs", "stop", "echo", "kv_transfer_params", "stream_options",
-     "seed")
+    (*_N_KEYS, "tools", "functions", "response_format", *_STRUCTURED_KEYS, *_LOGPROBS_KEYS,
+     "stop", "echo", "kv_transfer_params", "stream_options", "seed")
 )  # fmt: skip
 
 
@@ -109,12 +113,9 @@ def eligibility(
         return Refusal.DISABLED
     if kind != "chat" and kind != "completion":
         return Refusal.API
-    for key in body:
-        if key in _REFUSING_KEYS:
-            break
-    else:
+    if _REFUSING_KEYS.isdisjoint(body):
         return _content_refusal(kind, body)
-    for key in ("n", "best_of"):
+    for key in _N_KEYS:
         v = body.get(key)
         if v is not None and v != 1:
             return Refusal.N
@@ -126,7 +127,7 @@ def eligibility(
         return Refusal.STRUCTURED
     if any(body.get(k) is not None for k in _STRUCTURED_KEYS):
         return Refusal.STRUCTURED
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
+    if any(body.get(k) for k in _LOGPROBS_KEYS):
         return Refusal.LOGPROBS
     if _truthy_list(body.get("stop")):
         return Refusal.STOP
