@@ -113,7 +113,12 @@ def eligibility(
         return Refusal.DISABLED
     if kind != "chat" and kind != "completion":
         return Refusal.API
-    if _REFUSING_KEYS.isdisjoint(body):
+    # A loop, not ``_REFUSING_KEYS.isdisjoint(body)``: compiled, that is a method call by name
+    # (about 2,900 instructions more a request, callgrind); this is a set lookup a key.
+    for key in body:
+        if key in _REFUSING_KEYS:
+            break
+    else:
         return _content_refusal(kind, body)
     for key in _N_KEYS:
         v = body.get(key)
