@@ -22,7 +22,10 @@ whatever ``--continuation`` says. A tree named ``vllm-router`` or ``nginx`` is t
 (printed below the rows) compares the same minute of the machine, where the peer
 benchmark's rounds of 5 s in turns compare minutes apart. ``--mode burst`` (mocks sending a
 64-token stream in one write), per slice: CPU ms per request and req/s at concurrency 64,
-TTFT p50 in ms at concurrency 1 (absolute: every gateway has the same mocks);
+TTFT p50 in ms at concurrency 1 (absolute: every gateway has the same mocks), and the CPU ms
+per request the mocks and the load generator (this process) spent at concurrency 64: on a
+machine they share with the gateway, what a gateway's requests cost them is CPU its req/s
+cannot use;
 ``--prompt-tokens N`` sends a prompt of about N tokens instead of "hi" (the mocks send N
 prompt ids to a stream that asks for token ids, as vLLM does). ``--mode paced`` (mocks sending
 one token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
@@ -56,11 +59,20 @@ from pathlib import Path
 from typing import TypeVar
 
 from . import gateways
-from .bench_overhead import StreamClient, burst_run, connect, mocks, paced_run, stream_request
+from .bench_overhead import (
+    StreamClient,
+    burst_run,
+    connect,
+    mock_processes,
+    mocks,
+    paced_run,
+    stream_request,
+)
 
 FIGURES = {
     "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
-              ("TTFT p50 c=1", "ttft_p50_ms", 2)),
+              ("TTFT p50 c=1", "ttft_p50_ms", 2), ("mocks ms/req", "mocks_ms_per_req", 3),
+              ("client ms/req", "client_ms_per_req", 3)),
     "paced": (("CPU us/chunk", "cpu_us_per_chunk", 1), ("user us/chunk", "user_us_per_chunk", 1),
               ("ITL p99 ms", "itl_p99_ms", 2)),
     "instructions": (("instructions/req", "instructions_per_req", 0),),
@@ -182,7 +194,8 @@ def run(
     keys = [k for _, k, _ in FIGURES[mode]]
     results: dict[str, dict[str, list[float]]] = {s[0]: {k: [] for k in keys} for s in specs}
     interval_ms = 0 if mode == "burst" else 50
-    with mocks(interval_ms) as ports, contextlib.ExitStack() as stack:
+    with mock_processes(interval_ms) as (ports, pids), contextlib.ExitStack() as stack:
+        mock_pids = tuple(pids)
         running: list[tuple[str, int, int]] = []
         for spec, tree, workers, continuation in specs:
             if isinstance(tree, str):
@@ -199,7 +212,9 @@ def run(
                 if mode == "paced":
                     figures = asyncio.run(_paced(port, pid))
                 else:
-                    many = asyncio.run(burst_run(port, 64, slice_s, pid, prompt_tokens)).summary()
+                    many = asyncio.run(
+                        burst_run(port, 64, slice_s, pid, prompt_tokens, mock_pids)
+                    ).summary()
                     one = asyncio.run(burst_run(port, 1, slice_s, pid, prompt_tokens)).summary()
                     figures = {**many, "ttft_p50_ms": one["ttft_p50_ms"]}
                 for k in keys:

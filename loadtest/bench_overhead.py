@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from . import gateways, peers
-from .procs import free_port, process, tree_cpu_seconds, wait_port
+from .procs import cpu_seconds, free_port, process, tree_cpu_seconds, wait_port
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
@@ -157,27 +157,43 @@ class BurstResult:
     errors: int = 0
     seconds: float = 0.0
     cpu_s: float = 0.0
+    mocks_cpu_s: float = 0.0  # the mocks' CPU over the run, when their pids were given
+    client_cpu_s: float = 0.0  # this process's (the load generator's)
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft_ms)
+        per = 1000 / self.requests if self.requests else 0.0
         return {
             "ttft_p50_ms": t[len(t) // 2] if t else float("nan"),
             "ttft_p99_ms": t[min(len(t) - 1, int(len(t) * 0.99))] if t else float("nan"),
             "rps": self.requests / self.seconds if self.seconds else 0.0,
-            "cpu_ms_per_req": 1000 * self.cpu_s / self.requests if self.requests else 0.0,
+            "cpu_ms_per_req": self.cpu_s * per,
+            "mocks_ms_per_req": self.mocks_cpu_s * per,
+            "client_ms_per_req": self.client_cpu_s * per,
             "errors": self.errors,
         }
 
 
 async def burst_run(
-    port: int, concurrency: int, seconds: float, pid: int | None, prompt_tokens: int = 0
+    port: int,
+    concurrency: int,
+    seconds: float,
+    pid: int | None,
+    prompt_tokens: int = 0,
+    mock_pids: tuple[int, ...] = (),
 ) -> BurstResult:
+    """``concurrency`` connections each sending the stream request again as its answer ends,
+    for ``seconds``; the gateway's CPU (``pid``'s tree), the mocks' (``mock_pids``) and this
+    process's over the run. On a machine the generator, the mocks and the gateway share, a
+    gateway whose requests cost the mocks or the generator more is slower for it."""
     payload = stream_request(port, prompt_tokens)
     clients = [await connect(port) for _ in range(concurrency)]
     for c in clients:  # warm-up: connections and the gateway's pool
         await c.send(payload)
     result = BurstResult()
     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    mocks0 = sum(cpu_seconds(m) for m in mock_pids)
+    client0 = time.process_time()
     start = time.perf_counter()
     deadline = start + seconds
 
@@ -194,6 +210,8 @@ async def burst_run(
     await asyncio.gather(*(worker(c) for c in clients))
     result.seconds = time.perf_counter() - start
     result.cpu_s = (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
+    result.mocks_cpu_s = sum(cpu_seconds(m) for m in mock_pids) - mocks0
+    result.client_cpu_s = time.process_time() - client0
     for c in clients:
         assert c.transport is not None
         c.transport.close()

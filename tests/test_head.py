@@ -168,19 +168,29 @@ def _cycle(method: str, keep_alive: bool) -> tuple[Cycle, Written, list[str]]:
     return cycle, transport, told
 
 
+def _as_parts(body: bytes) -> list[bytes]:
+    """``body`` cut where the relay cuts a burst (its parts, an empty one among them)."""
+    third = len(body) // 3
+    return [body[:third], b"", body[third : 2 * third], body[2 * third :]]
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
-@pytest.mark.parametrize("with_body", [False, True], ids=["two messages", "START_WITH_BODY"])
-async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body: bool) -> None:
-    """The server's ``send``, a start then a body (or the start carrying it), against uvicorn's
-    own cycle given the same: the same bytes and state, or an error where uvicorn raised one
-    (a start that carries its body is then refused whole, nothing written; given as two
-    messages, a body that breaks its length is refused after its start went out)."""
+@pytest.mark.parametrize(
+    "with_body", [False, True, "parts"], ids=["two messages", "START_WITH_BODY", "as parts"]
+)
+async def test_the_cycles_send_writes_what_uvicorns_writes(case: Any, with_body: Any) -> None:
+    """The server's ``send``, a start then a body (or the start carrying it, as bytes or as
+    parts), against uvicorn's own cycle given the same: the same bytes and state, or an error
+    where uvicorn raised one (a start that carries its body is then refused whole, nothing
+    written; given as two messages, a body that breaks its length is refused after its start
+    went out)."""
     method, keep_alive, status, headers, body, more = case
     want = await uvicorns(method, keep_alive, status, headers, body, more)
     cycle, transport, told = _cycle(method, keep_alive)
     start: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
     if with_body:
-        start |= {START_BODY: body, START_MORE_BODY: more}
+        given = _as_parts(body) if with_body == "parts" else body
+        start |= {START_BODY: given, START_MORE_BODY: more}
 
     async def send_both() -> None:
         await cycle.send(start)

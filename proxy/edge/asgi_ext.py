@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
 # A response start may carry its first body (``START_BODY``, ``START_MORE_BODY``): both leave
-# in one socket write instead of two, one TCP segment before the client sees content.
+# in one socket write instead of two, one TCP segment before the client sees content. The body
+# is bytes, or a list of bytes written in order as one body (the relay's parts of a burst,
+# which a join would copy once more: a stream's whole length, before the socket copies it).
 START_WITH_BODY: Final = "tokenlane.start_with_body"
 START_BODY: Final = "tokenlane.body"
 START_MORE_BODY: Final = "tokenlane.more_body"

@@ -222,7 +222,7 @@ class Cycle:
         """A response start, with its first body when it carries one (``START_WITH_BODY``),
         written in one vectored write."""
         body = message.get(START_BODY)
-        if body is not None and type(body) is not bytes:
+        if body is not None and type(body) is not bytes and type(body) is not list:
             body = bytes(body)
         start = response_start(
             message["status"],

@@ -251,20 +251,24 @@ class Responder:
 
     @staticmethod
     async def send_start(
-        call: Call, send: Send, start: dict[str, Any], body: bytes, more_body: bool
+        call: Call, send: Send, start: dict[str, Any], body: bytes | list[bytes], more_body: bool
     ) -> None:
         """The response start and its first body: one message (one socket write) where the
-        server takes ``START_WITH_BODY``, else the usual two."""
+        server takes ``START_WITH_BODY``, else the usual two. A body given as parts goes to
+        the server's writer as they are (``asgi_ext.START_BODY``), joined for a ``send``."""
         if call.start_with_body:
             start[START_BODY] = body
             start[START_MORE_BODY] = more_body
             writer = call.body_writer
             # Written by the server's writer itself where it can (no interpreted ``send``).
             if writer is None or not writer.start(send, start):
+                if not isinstance(body, bytes):
+                    start[START_BODY] = b"".join(body)  # a middleware's send sees bytes
                 await send(start)
         else:
+            whole = body if isinstance(body, bytes) else b"".join(body)
             await send(start)
-            await send({"type": "http.response.body", "body": body, "more_body": more_body})
+            await send({"type": "http.response.body", "body": whole, "more_body": more_body})
 
     async def end_stream_with_error(self, call: Call, send: Send, message: str) -> None:
         call.error = message

@@ -84,7 +84,9 @@ class Resumer:
         canary_coming: Callable[[Call], bool],
         read_timeout: Callable[[LaneConfig, bool], float | None],
         response_start: Callable[[Call, Reply, int], dict[str, Any]],
-        send_start: Callable[[Call, Send, dict[str, Any], bytes, bool], Awaitable[None]],
+        send_start: Callable[
+            [Call, Send, dict[str, Any], bytes | list[bytes], bool], Awaitable[None]
+        ],
         end_with_error: Callable[[Call, Send, str], Awaitable[None]],
         live: Collection[Call],
         tracer: Tracer | None = None,
@@ -147,7 +149,7 @@ class Resumer:
         # message; kept until its send returned (not a ``functools.partial``: compiled, one is
         # built through its type's generic call).
         unsent_start: dict[str, Any] | None = None
-        unsent_body = b""
+        unsent_body: list[bytes] = []
         unsent_more = True
         unsent_message: dict[str, Any] | None = None
         # Ordinary token chunks after the start are relayed from the connection's callback;
@@ -253,7 +255,8 @@ class Resumer:
                     start = self.response_start(call, response, 200)
                     # A stream that ended in the held reads before any content ends in the
                     # same write; one with content sends its rest after (the loop's break).
-                    unsent_start, unsent_body, unsent_more = start, b"".join(held), not ended
+                    # The held parts go to the server's writer unjoined (``send_start``).
+                    unsent_start, unsent_body, unsent_more = start, held, not ended
                     await self._begin(call, send, start, unsent_body, unsent_more, flow)
                     unsent_start = None
                 else:
@@ -319,7 +322,7 @@ class Resumer:
         call: Call,
         send: Send,
         start: dict[str, Any],
-        body: bytes,
+        body: list[bytes],
         more_body: bool,
         flow: StreamFlow,
     ) -> None:
