@@ -25,7 +25,9 @@ benchmark's rounds of 5 s in turns compare minutes apart. ``--mode burst`` (mock
 TTFT p50 in ms at concurrency 1 (absolute: every gateway has the same mocks), and the CPU ms
 per request the mocks and the load generator (this process) spent at concurrency 64: on a
 machine they share with the gateway, what a gateway's requests cost them is CPU its req/s
-cannot use;
+cannot use; and the seconds a second the gateway's threads, summed, waited runnable for a core
+(``/proc``'s schedstat: one busy thread that never waits reads 0, a router's many threads
+queued behind each other read more);
 ``--prompt-tokens N`` sends a prompt of about N tokens instead of "hi" (the mocks send N
 prompt ids to a stream that asks for token ids, as vLLM does). ``--mode paced`` (mocks sending
 one token per write, 50 ms apart), per round: 256 streams at once, CPU µs per relayed chunk, the
@@ -72,7 +74,7 @@ from .bench_overhead import (
 FIGURES = {
     "burst": (("CPU ms/req c=64", "cpu_ms_per_req", 3), ("req/s c=64", "rps", 0),
               ("TTFT p50 c=1", "ttft_p50_ms", 2), ("mocks ms/req", "mocks_ms_per_req", 3),
-              ("client ms/req", "client_ms_per_req", 3)),
+              ("client ms/req", "client_ms_per_req", 3), ("wait s/s", "wait_per_s", 2)),
     "paced": (("CPU us/chunk", "cpu_us_per_chunk", 1), ("user us/chunk", "user_us_per_chunk", 1),
               ("ITL p99 ms", "itl_p99_ms", 2)),
     "instructions": (("instructions/req", "instructions_per_req", 0),),

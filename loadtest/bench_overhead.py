@@ -60,7 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from . import gateways, peers
-from .procs import cpu_seconds, free_port, process, tree_cpu_seconds, wait_port
+from .procs import (
+    cpu_seconds,
+    free_port,
+    process,
+    tree_cpu_seconds,
+    tree_wait_seconds,
+    wait_port,
+)
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 REDIS_URL: str | None = None  # --redis-url: the gateway keeps shared state in this Redis
@@ -159,6 +166,7 @@ class BurstResult:
     cpu_s: float = 0.0
     mocks_cpu_s: float = 0.0  # the mocks' CPU over the run, when their pids were given
     client_cpu_s: float = 0.0  # this process's (the load generator's)
+    wait_s: float = 0.0  # the gateway's threads' time runnable without a core
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft_ms)
@@ -170,6 +178,8 @@ class BurstResult:
             "cpu_ms_per_req": self.cpu_s * per,
             "mocks_ms_per_req": self.mocks_cpu_s * per,
             "client_ms_per_req": self.client_cpu_s * per,
+            # the share of the run the gateway's threads spent waiting for a core, summed
+            "wait_per_s": self.wait_s / self.seconds if self.seconds else 0.0,
             "errors": self.errors,
         }
 
@@ -184,14 +194,16 @@ async def burst_run(
 ) -> BurstResult:
     """``concurrency`` connections each sending the stream request again as its answer ends,
     for ``seconds``; the gateway's CPU (``pid``'s tree), the mocks' (``mock_pids``) and this
-    process's over the run. On a machine the generator, the mocks and the gateway share, a
-    gateway whose requests cost the mocks or the generator more is slower for it."""
+    process's over the run, and how long the gateway's threads waited for a core. On a
+    machine the generator, the mocks and the gateway share, a gateway whose requests cost the
+    mocks or the generator more is slower for it."""
     payload = stream_request(port, prompt_tokens)
     clients = [await connect(port) for _ in range(concurrency)]
     for c in clients:  # warm-up: connections and the gateway's pool
         await c.send(payload)
     result = BurstResult()
     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    wait0 = tree_wait_seconds(pid) if pid else 0.0
     mocks0 = sum(cpu_seconds(m) for m in mock_pids)
     client0 = time.process_time()
     start = time.perf_counter()
@@ -210,6 +222,7 @@ async def burst_run(
     await asyncio.gather(*(worker(c) for c in clients))
     result.seconds = time.perf_counter() - start
     result.cpu_s = (tree_cpu_seconds(pid) - cpu0) if pid else 0.0
+    result.wait_s = (tree_wait_seconds(pid) - wait0) if pid else 0.0
     result.mocks_cpu_s = sum(cpu_seconds(m) for m in mock_pids) - mocks0
     result.client_cpu_s = time.process_time() - client0
     for c in clients:

@@ -145,6 +145,19 @@ def tree_cpu_seconds(pid: int, *, user_only: bool = False) -> float:
     return total
 
 
+def tree_wait_seconds(pid: int) -> float:
+    """How long the threads of ``pid`` and its live descendants have waited, runnable, for a
+    core so far (the second field of each task's /proc/<pid>/task/<tid>/schedstat): on a
+    machine whose cores the load generator and the mocks share, the time a gateway could have
+    run and did not."""
+    total = 0
+    for p in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
 def tree_rss_mb(pid: int) -> float:
     total = rss_mb(pid)
     for child in descendants(pid):
