@@ -96,9 +96,10 @@ async def test_a_preflight_is_answered_only_when_cors_is_configured() -> None:
                 )  # fmt: skip
                 assert resp.status_code == 200 and "data: [DONE]" in resp.text
                 assert resp.headers["access-control-allow-origin"] == "*"
-                # Continuable, so its burst's parts were held: joined for the middleware's
-                # send, every token once, in order, and the ids the client did not ask for
-                # nulled.
+                # Continuable, so its burst's parts were held and given to the middleware's
+                # send: every token once, in order, and the ids the client did not ask for
+                # nulled. (That the parts are joined for a send is held by
+                # test_continuation's burst test, which runs without the server's writer.)
                 text = resp.text
                 assert text.index('"content":" tok0"') < text.index('"content":" tok1"')
                 assert text.count(" tok0") == 1 and '"token_ids":[' not in text

@@ -148,14 +148,15 @@ def response_start(
     # The body as one piece (``whole``) or as its parts (``pieces``), and its size.
     whole = b""
     pieces: list[bytes] | None = None
-    if isinstance(body, bytes):
-        whole = body
-        size = len(body)
-    else:
+    # Told apart by the list (compiled, a bytes argument may be a bytearray: not a list).
+    if isinstance(body, list):
         pieces = body
         size = 0
         for piece in body:
             size += len(piece)
+    else:
+        whole = body
+        size = len(body)
     if method == "HEAD":
         length = 0
     elif chunked:

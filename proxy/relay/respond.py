@@ -262,11 +262,11 @@ class Responder:
             writer = call.body_writer
             # Written by the server's writer itself where it can (no interpreted ``send``).
             if writer is None or not writer.start(send, start):
-                if not isinstance(body, bytes):
+                if isinstance(body, list):
                     start[START_BODY] = b"".join(body)  # a middleware's send sees bytes
                 await send(start)
         else:
-            whole = body if isinstance(body, bytes) else b"".join(body)
+            whole = b"".join(body) if isinstance(body, list) else body
             await send(start)
             await send({"type": "http.response.body", "body": whole, "more_body": more_body})
 
