@@ -145,27 +145,13 @@ def response_start(
         chunked = True
         parts.append(b"transfer-encoding: chunked\r\n")
     parts.append(_CRLF)
-    # The body as one piece (``whole``) or as its parts (``pieces``), and its size.
-    whole = b""
-    pieces: list[bytes] | None = None
-    # Told apart by the list (compiled, a bytes argument may be a bytearray: not a list).
-    if isinstance(body, list):
-        pieces = body
-        size = 0
-        for piece in body:
-            size += len(piece)
-    else:
-        whole = body
-        size = len(body)
+    size = _body_size(body)
     if method == "HEAD":
         length = 0
     elif chunked:
         if size:
             parts.append(_size_line(size))
-            if pieces is None:
-                parts.append(whole)
-            else:
-                parts += pieces
+            _add_body(parts, body)
             parts.append(_CRLF)
         if not more_body:
             parts.append(_LAST_CHUNK)
@@ -174,13 +160,29 @@ def response_start(
             raise InvalidResponse("Response content longer than Content-Length")
         length -= size
         if size:
-            if pieces is None:
-                parts.append(whole)
-            else:
-                parts += pieces
+            _add_body(parts, body)
     if not more_body and length != 0:
         raise InvalidResponse("Response content shorter than Content-Length")
     return Start(parts, chunked, length, keep_alive, not more_body)
+
+
+def _body_size(body: bytes | list[bytes]) -> int:
+    """A start's body length, given whole or as parts. Parts are told apart as a list:
+    compiled, a ``bytes`` argument may still hold a bytearray."""
+    if isinstance(body, list):
+        size = 0
+        for piece in body:
+            size += len(piece)
+        return size
+    return len(body)
+
+
+def _add_body(parts: list[bytes], body: bytes | list[bytes]) -> None:
+    """The body after the head's ``parts``: its parts as they are, for one vectored write."""
+    if isinstance(body, list):
+        parts += body
+    else:
+        parts.append(body)
 
 
 def _names_and_values(default_headers: Any, headers: Any) -> tuple[list[bytes], list[bytes]] | None:
