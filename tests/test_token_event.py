@@ -21,11 +21,13 @@ from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
 from proxy.relay.call import Attempt, Call
 from proxy.relay.continuation import (
+    ROLE,
     SCAN,
     TAKE,
     Shapes,
     Splice,
     ids_end,
+    match_role,
     plain_ids,
     scan_events,
     strip_ids,
@@ -623,9 +625,11 @@ def test_the_compiled_build_scans_in_c() -> None:
     if compiled.status.startswith("compiled"):
         assert SCAN is not scan_events  # the C module came with the build
         assert TAKE is not take_token
+        assert ROLE is not match_role
     else:
         assert SCAN is scan_events
         assert TAKE is take_token
+        assert ROLE is match_role
 
 
 def _c_scan() -> Any:
@@ -782,3 +786,102 @@ def test_the_c_scan_refuses_what_is_not_bytes() -> None:
     for start in (2**70, -(2**70), 2**63 - 1):
         assert native(b"x", start, b"h", b"[", True, True) is None
         assert scan_events(b"x", start, b"h", b"[", True, True) is None
+
+
+# ------------------------------------------- a first chunk of a kept shape in C (``ROLE``)
+
+# A role chunk as the benchmark's mock and as vLLM write it, cut around what differs: the
+# id, the created and the prompt's ids (``Splice.learn_role`` keeps the rest).
+ROLE_SHAPES = [
+    (b'","object":"chat.completion.chunk","created":', b',"model":"m","prompt_token_ids":[',
+     b'],"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+     b'"finish_reason":null}]}'),
+    (b'","object":"chat.completion.chunk","created":',
+     b',"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+     b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[',
+     b'],"prompt_text":null}'),
+]  # fmt: skip
+ROLE_IDS = ["chatcmpl-1", "", "é-ü", 'a"b', "a\\b", "tab\tx", "x" * 40]
+CREATEDS = [b"1", b"0", b"1779182750", b"01", b"9" * 18, b"9" * 19, b"", b"-1", b"1.5"]
+PROMPTS = [b"1,2,3", b"", b"7", b"1]", b"[1", b'1"', b"1\n2", b"1, 2"]
+
+
+def _c_role() -> Any:
+    if ROLE is match_role:
+        pytest.skip(f"no C role: the gateway runs {compiled.status}")
+    return ROLE
+
+
+def _role_event(rng: random.Random, shape: tuple[bytes, bytes, bytes]) -> bytes:
+    before, between, after = shape
+    chunk_id = rng.choice(ROLE_IDS).encode() if rng.random() < 0.5 else b"chatcmpl-1"
+    if rng.random() < 0.05:
+        chunk_id = b"\xff\xfe"  # not UTF-8
+    created = rng.choice(CREATEDS) if rng.random() < 0.4 else b"1779182750"
+    prompt = rng.choice(PROMPTS) if rng.random() < 0.4 else b"1,2,3"
+    ev = b'data: {"id":"' + chunk_id + before + created + between + prompt + after
+    if rng.random() < 0.1:  # a byte changed anywhere
+        i = rng.randrange(len(ev))
+        ev = ev[:i] + bytes([rng.randrange(256)]) + ev[i + 1 :]
+    if rng.random() < 0.05:
+        ev = ev[: rng.randrange(len(ev) + 1)]  # cut short
+    return ev
+
+
+def test_match_role_finds_what_differs_between_two_streams() -> None:
+    before, between, after = ROLE_SHAPES[1]
+    ev = b'data: {"id":"chatcmpl-9' + before + b"1779182750" + between + b"4,5" + after
+    got = match_role(ev, before, between, after)
+    assert got is not None
+    chunk_id, created, q, digits_end, start = got
+    assert (chunk_id, created) == ("chatcmpl-9", 1779182750)
+    assert ev[q : q + 1] == b'"' and ev[digits_end : digits_end + len(between)] == between
+    assert ev[start : len(ev) - len(after)] == b"4,5"
+    # Another model's shape, a created with a leading zero, ids with a quote: not one.
+    assert match_role(ev.replace(b'"m"', b'"n"'), before, between, after) is None
+    assert match_role(ev.replace(b"1779182750", b"0177918275"), before, between, after) is None
+    assert match_role(ev.replace(b"4,5", b'4,"5'), before, between, after) is None
+
+
+@pytest.mark.parametrize("shape", ROLE_SHAPES)
+def test_the_c_role_gives_what_the_python_role_gives(shape: tuple[bytes, bytes, bytes]) -> None:
+    native = _c_role()
+    rng = random.Random(29)
+    found = 0
+    for _ in range(30_000):
+        ev = _role_event(rng, shape)
+        got = native(ev, *shape)
+        assert got == match_role(ev, *shape), ev
+        found += got is not None
+    assert 3_000 < found < 29_000  # both ways met often
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(
+    event=st.binary(max_size=200), before=st.binary(max_size=6), between=st.binary(max_size=6),
+    after=st.binary(max_size=6), prefix=st.booleans(),
+)  # fmt: skip
+def test_the_c_role_takes_any_bytes_as_python_does(
+    event: bytes, before: bytes, between: bytes, after: bytes, prefix: bool
+) -> None:
+    native = _c_role()
+    if prefix:
+        event = b'data: {"id":"' + event
+    assert native(event, before, between, after) == match_role(event, before, between, after)
+
+
+def test_the_c_role_refuses_what_is_not_bytes() -> None:
+    native = _c_role()
+    before, between, after = ROLE_SHAPES[0]
+    ev = b'data: {"id":"c' + before + b"1" + between + b"2" + after
+    assert native(ev, before, between, after) == (
+        "c",
+        1,
+        14,
+        len(b'data: {"id":"c') + len(before) + 1,
+        len(ev) - len(after) - 1,
+    )
+    for bad in ((ev.decode(), before, between, after), (bytearray(ev), before, between, after),
+                (ev, before, between)):  # fmt: skip
+        with pytest.raises(TypeError):
+            native(*bad)
