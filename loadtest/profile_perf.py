@@ -10,6 +10,15 @@ its CPU by shared object and the top symbols: what a lever is worth in time befo
 pulled. With ``--continuation both`` the two runs are printed side by side.
 
     python -m loadtest.profile_perf [--seconds 10] [--continuation on|off|both] [--top 30]
+        [--workers N] [--stacks]
+
+``--stacks`` records call stacks too (``--call-graph dwarf``, at a lower rate: each sample
+copies 16 kB of stack) and prints the gateway's compiled functions by inclusive share: the
+samples whose stack holds the function, whatever it called (a function's own share misses
+what it spends in libpython and the kernel). ``--workers N`` samples a gateway of N workers
+(every process of it): on a machine whose cores it shares with the mocks and the generator,
+compare the shares by shared object to one worker's to tell more work from the same work
+done slower.
 
 Needs ``perf`` (``apt-get install linux-perf``). The shares drift less with the machine than
 times do; the µs (a share times the run's CPU per request) drift as that CPU does. A symbol
@@ -22,7 +31,8 @@ import argparse
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
@@ -49,6 +59,48 @@ def shares(data: Path, key: str) -> list[tuple[float, str]]:
     return rows
 
 
+def stack_samples(script: str) -> list[list[str]]:
+    """``perf script -F ip,sym``'s samples, each its stack's symbols, the sampled one first
+    (an inlined frame by its own name)."""
+    samples: list[list[str]] = []
+    stack: list[str] = []
+    for line in script.splitlines():
+        parts = line.split(None, 1)
+        if not parts:  # a blank line ends a sample
+            if stack:
+                samples.append(stack)
+            stack = []
+        elif len(parts) == 2:
+            stack.append(parts[1].removesuffix(" (inlined)").strip())
+    if stack:
+        samples.append(stack)
+    return samples
+
+
+# mypyc's names for a compiled function and for an async function's generator body.
+_COMPILED = "CPyDef_"
+_GENERATOR = "_gen_____mypyc_generator_helper__"
+
+
+def inclusive_shares(samples: list[list[str]]) -> list[tuple[float, str]]:
+    """Each compiled gateway function's inclusive share of ``samples`` (%, every sample with
+    it anywhere on its stack counted once), largest first, by its module and name."""
+    counts: Counter[str] = Counter()
+    for stack in samples:
+        counts.update({f for f in stack if f.startswith(_COMPILED) and not f.endswith("_clear")})
+    n = len(samples) or 1
+    rows = [(100 * c / n, f[len(_COMPILED) :].removesuffix(_GENERATOR)) for f, c in counts.items()]
+    return sorted(rows, key=lambda r: (-r[0], r[1]))
+
+
+def stack_shares(data: Path) -> list[tuple[float, str]]:
+    text = subprocess.run(
+        ["perf", "script", "-i", str(data), "-F", "ip,sym", "--no-demangle"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return inclusive_shares(stack_samples(text))
+
+
 @dataclass(frozen=True)
 class Profile:
     title: str
@@ -56,23 +108,29 @@ class Profile:
     cpu_ms_per_req: float
     symbols: list[tuple[float, str]]  # (share %, symbol), largest first
     objects: dict[str, float]  # shared object: share %
+    inclusive: list[tuple[float, str]] = field(default_factory=list)  # with --stacks
 
     def us_per_req(self, share: float) -> float:
         return share * self.cpu_ms_per_req * 10  # % of the ms a request costs, in µs
 
 
-def profile(continuation: bool, seconds: float, data: Path) -> Profile:
+def profile(
+    continuation: bool, seconds: float, data: Path, workers: int = 1, stacks: bool = False
+) -> Profile:
     """One gateway over fresh mocks, warmed, then sampled for ``seconds`` under the load."""
-    with mocks(0) as ports, gateways.tokenlane(ports, 1, continuation) as gw:
+    what = ("-F", "499", "--call-graph", "dwarf,16384") if stacks else ("-F", "1999")
+    with mocks(0) as ports, gateways.tokenlane(ports, workers, continuation) as gw:
         uvloop.run(burst_run(gw.port, CONCURRENCY, 1.0, gw.pid))  # connections and pools
-        with recording(gw.pid, data, ("-F", "1999")):
+        with recording(gw.pid, data, what):
             load = uvloop.run(burst_run(gw.port, CONCURRENCY, seconds, gw.pid)).summary()
+    title = "continuation " + ("on" if continuation else "off")
     return Profile(
-        "continuation " + ("on" if continuation else "off"),
+        title if workers == 1 else f"{title}, {workers} workers",
         load["rps"],
         load["cpu_ms_per_req"],
         shares(data, "sym"),
         {name: pct for pct, name in shares(data, "dso")},
+        stack_shares(data) if stacks else [],
     )
 
 
@@ -81,13 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--continuation", choices=["on", "off", "both"], default="both")
     parser.add_argument("--top", type=int, default=30, help="symbols printed per run")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--stacks", action="store_true", help="inclusive shares, by call stack")
     args = parser.parse_args(argv)
     if perf_command() is None:
         print("perf is not installed (apt-get install linux-perf)", file=sys.stderr)
         return 2
     runs = {"on": [True], "off": [False], "both": [True, False]}[args.continuation]
     with tempfile.TemporaryDirectory() as tmp:
-        profiles = [profile(on, args.seconds, Path(tmp) / f"perf.{on}") for on in runs]
+        profiles = [
+            profile(on, args.seconds, Path(tmp) / f"perf.{on}", args.workers, args.stacks)
+            for on in runs
+        ]
     for p in profiles:
         print(f"== {p.title}: {p.rps:.0f} req/s at c={CONCURRENCY}, "
               f"{p.cpu_ms_per_req:.3f} CPU ms/req (perf attached)")  # fmt: skip
@@ -97,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   top {args.top} symbols ([k] kernel, [.] user):")
         for pct, name in p.symbols[: args.top]:
             print(f"   {pct:6.2f} %  {name}")
+        if p.inclusive:
+            print(f"   top {args.top} compiled functions by inclusive share (what they called"
+                  " included):")  # fmt: skip
+            for pct, name in p.inclusive[: args.top]:
+                print(f"   {pct:6.2f} %  {name}")
     if len(profiles) == 2:
         on, off = profiles
         print("== CPU us per request by shared object, continuation on - off:")
