@@ -10,7 +10,7 @@ its CPU by shared object and the top symbols: what a lever is worth in time befo
 pulled. With ``--continuation both`` the two runs are printed side by side.
 
     python -m loadtest.profile_perf [--seconds 10] [--continuation on|off|both] [--top 30]
-        [--workers N] [--stacks]
+        [--workers N] [--stacks] [--gateway tokenlane|vllm-router] [--syscalls]
 
 ``--stacks`` records call stacks too (``--call-graph dwarf``, at a lower rate: each sample
 copies 16 kB of stack) and prints the gateway's compiled functions by inclusive share: the
@@ -18,7 +18,12 @@ samples whose stack holds the function, whatever it called (a function's own sha
 what it spends in libpython and the kernel). ``--workers N`` samples a gateway of N workers
 (every process of it): on a machine whose cores it shares with the mocks and the generator,
 compare the shares by shared object to one worker's to tell more work from the same work
-done slower.
+done slower. ``--gateway vllm-router`` samples the Rust peer under the same load instead
+(``--continuation`` and ``--workers`` do not apply to it). ``--syscalls`` counts the
+system calls a request costs, by name (``perf trace -s`` of a recording of every thread of
+the gateway, in a run of its own after the sampled one): a system call is a switch into the
+kernel, and on loopback a send also runs the receiver's side of TCP and its wake-up in the
+sender's time.
 
 Needs ``perf`` (``apt-get install linux-perf``). The shares drift less with the machine than
 times do; the µs (a share times the run's CPU per request) drift as that CPU does. A symbol
@@ -101,6 +106,26 @@ def stack_shares(data: Path) -> list[tuple[float, str]]:
     return inclusive_shares(stack_samples(text))
 
 
+def trace_counts(summary: str) -> Counter[str]:
+    """The calls by system call name in ``perf trace -s``'s summary, summed over its threads
+    (a table a thread, its rows ``name calls errors total min avg max stddev``)."""
+    counts: Counter[str] = Counter()
+    for line in summary.splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[1].isdigit() and parts[2].isdigit():
+            counts[parts[0]] += int(parts[1])
+    return counts
+
+
+def syscall_summary(data: Path) -> str:
+    """``perf trace -s``'s summary of a recording of system calls (``recording``'s default);
+    perf prints it on its standard error."""
+    done = subprocess.run(
+        ["perf", "trace", "-i", str(data), "-s"], capture_output=True, text=True, check=True
+    )
+    return done.stdout + done.stderr
+
+
 @dataclass(frozen=True)
 class Profile:
     title: str
@@ -109,28 +134,52 @@ class Profile:
     symbols: list[tuple[float, str]]  # (share %, symbol), largest first
     objects: dict[str, float]  # shared object: share %
     inclusive: list[tuple[float, str]] = field(default_factory=list)  # with --stacks
+    syscalls: dict[str, float] = field(default_factory=dict)  # with --syscalls: calls a request
 
     def us_per_req(self, share: float) -> float:
         return share * self.cpu_ms_per_req * 10  # % of the ms a request costs, in µs
 
 
 def profile(
-    continuation: bool, seconds: float, data: Path, workers: int = 1, stacks: bool = False
+    continuation: bool,
+    seconds: float,
+    data: Path,
+    workers: int = 1,
+    stacks: bool = False,
+    gateway: str = "tokenlane",
+    syscalls: bool = False,
 ) -> Profile:
-    """One gateway over fresh mocks, warmed, then sampled for ``seconds`` under the load."""
+    """One gateway over fresh mocks, warmed, then sampled for ``seconds`` under the load (and,
+    with ``syscalls``, traced for as long again)."""
     what = ("-F", "499", "--call-graph", "dwarf,16384") if stacks else ("-F", "1999")
-    with mocks(0) as ports, gateways.tokenlane(ports, workers, continuation) as gw:
+    peer = gateway != "tokenlane"
+    with (
+        mocks(0) as ports,
+        (
+            gateways.vllm_router(ports)
+            if peer
+            else gateways.tokenlane(ports, workers, continuation)
+        ) as gw,
+    ):
         uvloop.run(burst_run(gw.port, CONCURRENCY, 1.0, gw.pid))  # connections and pools
         with recording(gw.pid, data, what):
             load = uvloop.run(burst_run(gw.port, CONCURRENCY, seconds, gw.pid)).summary()
-    title = "continuation " + ("on" if continuation else "off")
+        per_request: dict[str, float] = {}
+        if syscalls:
+            calls = data.with_suffix(".syscalls")
+            with recording(gw.pid, calls):  # every system call's entry and exit
+                traced = uvloop.run(burst_run(gw.port, CONCURRENCY, seconds, gw.pid))
+            n = traced.requests or 1
+            per_request = {k: v / n for k, v in trace_counts(syscall_summary(calls)).items()}
+    title = gateway if peer else "continuation " + ("on" if continuation else "off")
     return Profile(
-        title if workers == 1 else f"{title}, {workers} workers",
+        title if workers == 1 or peer else f"{title}, {workers} workers",
         load["rps"],
         load["cpu_ms_per_req"],
         shares(data, "sym"),
         {name: pct for pct, name in shares(data, "dso")},
         stack_shares(data) if stacks else [],
+        per_request,
     )
 
 
@@ -141,14 +190,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="symbols printed per run")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--stacks", action="store_true", help="inclusive shares, by call stack")
+    parser.add_argument("--gateway", choices=["tokenlane", "vllm-router"], default="tokenlane")
+    parser.add_argument("--syscalls", action="store_true", help="system calls a request, by name")
     args = parser.parse_args(argv)
     if perf_command() is None:
         print("perf is not installed (apt-get install linux-perf)", file=sys.stderr)
         return 2
     runs = {"on": [True], "off": [False], "both": [True, False]}[args.continuation]
+    if args.gateway != "tokenlane":
+        runs = [True]  # the peer runs as it is: one run
     with tempfile.TemporaryDirectory() as tmp:
         profiles = [
-            profile(on, args.seconds, Path(tmp) / f"perf.{on}", args.workers, args.stacks)
+            profile(
+                on,
+                args.seconds,
+                Path(tmp) / f"perf.{on}",
+                args.workers,
+                args.stacks,
+                args.gateway,
+                args.syscalls,
+            )
             for on in runs
         ]
     for p in profiles:
@@ -165,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                   " included):")  # fmt: skip
             for pct, name in p.inclusive[: args.top]:
                 print(f"   {pct:6.2f} %  {name}")
+        if p.syscalls:
+            total = sum(p.syscalls.values())
+            print(f"   system calls a request: {total:.2f} (a traced run of its own)")
+            for name, n in sorted(p.syscalls.items(), key=lambda kv: -kv[1]):
+                if n >= 0.01:
+                    print(f"   {n:8.2f}  {name}")
     if len(profiles) == 2:
         on, off = profiles
         print("== CPU us per request by shared object, continuation on - off:")

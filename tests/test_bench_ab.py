@@ -49,18 +49,24 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     keys = [key for _, key, _ in bench_ab.FIGURES["burst"]]
     assert keys[-1] == "wait_per_s" and cells[-1] >= 0, rows[1]
     assert all(figure > 0 for figure in cells[:-1]), rows[1]
-    # Each later tree's ratios to the first, round by round, then the middle half of them.
+    # Each later tree's ratios to the first, round by round, then the middle half of them,
+    # then the interval of their median (two rounds: their least and greatest).
     spread = next(i for i, line in enumerate(lines) if line.startswith("middle half"))
-    ratios, spans = lines[at + 1 : spread], lines[spread + 1 :]
+    interval = next(i for i, line in enumerate(lines) if line.startswith("95 % interval"))
+    ratios, spans = lines[at + 1 : spread], lines[spread + 1 : interval]
+    intervals = lines[interval + 1 :]
     named = [f"{ROOT}:1 (2) / {ROOT}", f"{ROOT}:1 (3) / {ROOT}"]
     assert [row.split(" | ")[0].strip() for row in ratios] == named
     assert [row.split(" | ")[0].strip() for row in spans] == named
+    assert [row.split(" | ")[0].strip() for row in intervals] == named
     # (The wait's ratio is nan in a round where the first tree's threads never waited.)
     assert all(float(c.strip().rstrip("x")) > 0 for r in ratios for c in r.split(" | ")[1:-1])
-    for row, ratio_row in zip(spans, ratios, strict=True):
-        for cell, ratio in zip(row.split(" | ")[1:-1], ratio_row.split(" | ")[1:-1], strict=True):
-            lo, hi = (float(x) for x in cell.strip().rstrip("x").split("-"))
-            assert lo <= float(ratio.strip().rstrip("x")) <= hi, (cell, ratio)
+    for table in (spans, intervals):
+        for row, ratio_row in zip(table, ratios, strict=True):
+            cells = zip(row.split(" | ")[1:-1], ratio_row.split(" | ")[1:-1], strict=True)
+            for cell, ratio in cells:
+                lo, hi = (float(x) for x in cell.strip().rstrip("x").split("-"))
+                assert lo <= float(ratio.strip().rstrip("x")) <= hi, (cell, ratio)
 
 
 def test_the_middle_half_of_the_rounds_ratios_is_their_quartiles() -> None:
@@ -298,3 +304,33 @@ def test_a_peer_takes_no_workers_or_continuation(capsys: pytest.CaptureFixture[s
         bench_ab.main(["--tree", "vllm-router:2", "--tree", str(ROOT)])
     assert refused.value.code == 2
     assert "a peer runs as it is" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("n", "low", "high"),
+    [
+        # The order statistics (1-based) of the 95 % interval of a median, as tables of it
+        # give them: 6 values, the least and the greatest; 10, the 2nd and 9th; 24, the 7th
+        # and 18th; 100, the 40th and 61st.
+        (6, 1, 6),
+        (10, 2, 9),
+        (24, 7, 18),
+        (100, 40, 61),
+        # Fewer than six cannot reach 95 %: their least and greatest, one value itself.
+        (5, 1, 5),
+        (2, 1, 2),
+        (1, 1, 1),
+    ],
+)
+def test_the_median_interval_is_the_order_statistics_tables_give(
+    n: int, low: int, high: int
+) -> None:
+    values = [float(v) for v in range(n, 0, -1)]  # unsorted: n down to 1
+    assert bench_ab.median_interval(values) == (float(low), float(high))
+
+
+def test_the_median_interval_leaves_out_rounds_without_a_ratio() -> None:
+    nan = float("nan")
+    assert bench_ab.median_interval([nan, 3.0, nan, 1.0, 2.0, 5.0, 4.0, 6.0]) == (1.0, 6.0)
+    lo, hi = bench_ab.median_interval([nan])
+    assert lo != lo and hi != hi  # nan: no round had one
