@@ -50,9 +50,9 @@ def test_bench_ab_prints_a_row_per_tree(capsys: pytest.CaptureFixture[str]) -> N
     assert keys[-1] == "wait_per_s" and cells[-1] >= 0, rows[1]
     assert all(figure > 0 for figure in cells[:-1]), rows[1]
     # Each later tree's ratios to the first, round by round, then the middle half of them,
-    # then the interval of their median (two rounds: their least and greatest).
+    # then the interval of their median (two rounds: their range, and so headed).
     spread = next(i for i, line in enumerate(lines) if line.startswith("middle half"))
-    interval = next(i for i, line in enumerate(lines) if line.startswith("95 % interval"))
+    interval = next(i for i, line in enumerate(lines) if line.startswith("range (under 6"))
     ratios, spans = lines[at + 1 : spread], lines[spread + 1 : interval]
     intervals = lines[interval + 1 :]
     named = [f"{ROOT}:1 (2) / {ROOT}", f"{ROOT}:1 (3) / {ROOT}"]
@@ -315,6 +315,7 @@ def test_a_peer_takes_no_workers_or_continuation(capsys: pytest.CaptureFixture[s
         (6, 1, 6),
         (10, 2, 9),
         (24, 7, 18),
+        (60, 22, 39),
         (100, 40, 61),
         # Fewer than six cannot reach 95 %: their least and greatest, one value itself.
         (5, 1, 5),

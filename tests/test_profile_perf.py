@@ -5,7 +5,9 @@ figures; these are its pure parts)."""
 
 from __future__ import annotations
 
-from loadtest.profile_perf import inclusive_shares, stack_samples, trace_counts
+import pytest
+
+from loadtest.profile_perf import inclusive_shares, main, stack_samples, trace_counts
 
 SCRIPT = """\
 1234
@@ -76,3 +78,11 @@ def test_a_trace_summary_reads_as_calls_by_name_summed_over_threads() -> None:
     assert counts == {"writev": 8640, "read": 8031, "epoll_pwait": 211, "futex": 400}
     # Headings, the units row, rules and thread lines are no rows.
     assert trace_counts("   syscall   calls  errors  total\n   ----- ---\n") == {}
+
+
+@pytest.mark.parametrize("argv", [["--workers", "2"], ["--continuation", "off"]])
+def test_the_peer_runs_as_it_is(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["--gateway", "vllm-router", *argv])
+    assert refused.value.code == 2
+    assert "a peer runs as it is" in capsys.readouterr().err
