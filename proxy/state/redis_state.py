@@ -71,6 +71,7 @@ from proxy.state.redislink import (
     Unavailable,
     cancelling,
     connect,
+    end_if_cancelled,
     wait_event,
 )
 from proxy.state.scripts import LEASE, MERGE_RECORD, PRUNE
@@ -510,6 +511,7 @@ class RedisState:
     async def _sync_loop(self) -> None:
         """Reconcile and refresh the load view while up; probe and re-sync while down."""
         while True:
+            end_if_cancelled()
             try:
                 if self._up:
                     await self.sync()
@@ -529,6 +531,7 @@ class RedisState:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            end_if_cancelled()
             await asyncio.sleep(self.config().heartbeat_s)
             if self._up:
                 try:
@@ -540,6 +543,7 @@ class RedisState:
 
     async def _write_loop(self) -> None:
         while True:
+            end_if_cancelled()
             await self._dirty.wait()
             self._dirty.clear()
             if self._up:  # while down the re-sync writes them
@@ -558,6 +562,7 @@ class RedisState:
         (re)connecting is picked up by the next reconcile, which each (re)subscription
         triggers at once."""
         while True:
+            end_if_cancelled()
             if not self._up:
                 await asyncio.sleep(self.breaker.probe_s)
                 continue
@@ -566,7 +571,7 @@ class RedisState:
                 async with asyncio.timeout(self.config().timeout_ms / 1000):
                     await pubsub.subscribe(self._channel, self._placed_channel)
                 self._reconcile_now.set()
-                while self._up:
+                while self._up and not cancelling():
                     message = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=SUBSCRIBE_POLL_S
                     )
@@ -590,6 +595,7 @@ class RedisState:
 
     async def _lease_loop(self) -> None:
         while True:
+            end_if_cancelled()
             await wait_event(self._lease_now, LEASE_TICK_S)
             if not self._up:
                 continue

@@ -85,6 +85,15 @@ def cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def end_if_cancelled() -> None:
+    """``CancelledError`` when the current task has been asked to stop: a background loop's
+    every round starts here. A cancel swallowed inside a call (``tests/test_shared.py`` once
+    hung on a sync loop cancelled twice and still looping) then ends the loop at its next
+    round instead of never."""
+    if cancelling():
+        raise asyncio.CancelledError
+
+
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
     """Until ``event`` is set or ``timeout_s`` passes (no TimeoutError to confuse with a
     cancel); clears it."""
