@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -160,24 +161,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
     # How far the rounds agree: on this VM a ratio of 10 rounds moves by several per cent
     # from one run to the next, so a median alone would claim more than the rounds show.
-    header = " | ".join(f"{name:>16}" for name, _, _ in columns)
-    print(f"{'middle half of the rounds':<28} | {header}")
-    for spec, *_ in specs[1:]:
-        mine, base = results[spec], results[first]
-        spans = [ratio_quartiles(mine[k], base[k]) for _, k, _ in columns]
-        cells = [f"{lo:.3f}-{hi:.3f}x" for lo, hi in spans]
-        print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
+    print_spans("middle half of the rounds", specs, results, columns, ratio_quartiles)
     # Where the median ratio lies, for this run's processes: a claim of "at or above" needs
     # the low end at or above 1 (needed, not enough: each gateway is one process for the
     # run, and two processes of one tree differ by a few per cent for their life).
     title = "95 % interval, median ratio" if args.rounds >= 6 else "range (under 6 rounds)"
-    print(f"{title:<28} | {header}")
+    print_spans(title, specs, results, columns, lambda a, b: median_interval(_ratios(a, b)))
+    return 0
+
+
+def print_spans(
+    title: str,
+    specs: list[Spec],
+    results: dict[str, dict[str, list[float]]],
+    columns: Sequence[tuple[str, str, int]],
+    span: Callable[[list[float], list[float]], tuple[float, float]],
+) -> None:
+    """A table of each later tree's span (``span`` of its figures and the first tree's, per
+    column) against the first tree."""
+    first = specs[0][0]
+    print(f"{title:<28} | " + " | ".join(f"{name:>16}" for name, _, _ in columns))
     for spec, *_ in specs[1:]:
         mine, base = results[spec], results[first]
-        spans = [median_interval(_ratios(mine[k], base[k])) for _, k, _ in columns]
-        cells = [f"{lo:.3f}-{hi:.3f}x" for lo, hi in spans]
+        cells = [
+            f"{lo:.3f}-{hi:.3f}x" for lo, hi in (span(mine[k], base[k]) for _, k, _ in columns)
+        ]
         print(f"{spec + ' / ' + first:<28} | " + " | ".join(f"{cell:>16}" for cell in cells))
-    return 0
 
 
 def _ratios(mine: list[float], base: list[float]) -> list[float]:

@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if perf_command() is None:
         print("perf is not installed (apt-get install linux-perf)", file=sys.stderr)
         return 2
-    runs = {"on": [True], "off": [False], "both": [True, False]}[args.continuation or "both"]
-    if args.gateway != "tokenlane":
-        runs = [True]  # the peer: one run
+    both = {"on": [True], "off": [False], "both": [True, False]}[args.continuation or "both"]
+    runs = both if args.gateway == "tokenlane" else [True]  # the peer: one run
     with tempfile.TemporaryDirectory() as tmp:
         profiles = [
             profile(

@@ -589,8 +589,7 @@ class RedisState:
                 with contextlib.suppress(*REDIS_ERRORS):
                     async with asyncio.timeout(self.config().timeout_ms / 1000):
                         await pubsub.aclose()
-            if cancelling():
-                raise asyncio.CancelledError
+            end_if_cancelled()
             await asyncio.sleep(min(self.breaker.probe_s, self.reconcile_s))
 
     async def _lease_loop(self) -> None:
