@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from . import gateways
+from . import gateways, procs
 from .bench_overhead import (
     StreamClient,
     burst_run,
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run(specs, args.mode, args.rounds, args.slice_s, args.prompt_tokens)
     columns = FIGURES[args.mode]
     first = specs[0][0]
+    print(f"machine: {procs.machine()}")
     print(
         f"paired A/B, {args.mode}: {args.rounds} rounds, continuation {args.continuation} unless"
         f" the tree says; medians, and the median of paired differences from {first}"

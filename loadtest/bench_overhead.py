@@ -63,6 +63,7 @@ from . import gateways, peers
 from .procs import (
     cpu_seconds,
     free_port,
+    machine,
     process,
     tree_cpu_seconds,
     tree_wait_seconds,
@@ -573,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    out: dict[str, Any] = {"cores": os.cpu_count(), "repeat": args.repeat}
+    out: dict[str, Any] = {"cores": os.cpu_count(), "machine": machine(), "repeat": args.repeat}
+    print(f"machine: {out['machine']}")
     if args.peer:
         plain = args.continuation != "on"
         out["peers"] = run_peers(args.seconds, args.repeat, args.workers, args.only, plain)

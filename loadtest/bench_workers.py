@@ -37,7 +37,7 @@ from typing import Any
 
 from . import gateways
 from .bench_overhead import MODEL, StreamClient, connect, mock_processes, mocks, request_bytes
-from .procs import descendants, tree_cpu_seconds, tree_rss_mb
+from .procs import descendants, machine, tree_cpu_seconds, tree_rss_mb
 
 TOKENS = 64  # a stream's tokens (``mock_processes`` sends as many)
 
@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
 
         uvloop.install()
     rates = [int(r) for r in args.rates.split(",")]
-    out: dict[str, Any] = {"cores": os.cpu_count(), "workers": args.workers}
+    out: dict[str, Any] = {"cores": os.cpu_count(), "machine": machine(), "workers": args.workers}
+    print(f"machine: {out['machine']}")
     out["rates"] = run_rates(rates, args.workers, args.seconds, args.interval_ms)
     print_rates(out["rates"], args.seconds, args.interval_ms)
     if args.propagation and args.workers > 1:

@@ -158,6 +158,37 @@ def tree_wait_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def cpu_model(cpuinfo: str) -> str:
+    """The processor in ``/proc/cpuinfo``'s text: its first ``model name``, with its family,
+    model and stepping numbers where given (a virtual machine's name may be as plain as
+    "Intel(R) Xeon(R) Processor"; the numbers still tell two generations apart), or
+    "unknown" where the kernel gives no name (some virtual and ARM machines)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), " ".join(value.split()))
+    name = fields.get("model name")
+    if not name:
+        return "unknown"
+    named = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+    numbers = [f"{said} {fields[key]}" for said, key in named if fields.get(key)]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
+
+
+def machine() -> str:
+    """What a run's figures were measured on, printed above them: the processor's name, the
+    cores this process may use and the kernel: figures of two days compare only on one kind
+    of machine, and the days' notes named none (``docs/benchmarks.md``)."""
+    try:
+        model = cpu_model(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        model = "unknown"
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, Linux {os.uname().release}"
+
+
 def tree_rss_mb(pid: int) -> float:
     total = rss_mb(pid)
     for child in descendants(pid):

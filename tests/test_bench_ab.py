@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loadtest import bench_ab
+from loadtest import bench_ab, procs
 from loadtest.bench_overhead import LONG_PROMPT_TOKENS, stream_request
 from loadtest.fake_upstream import (
     HIGH_WATER,
@@ -335,3 +336,32 @@ def test_the_median_interval_leaves_out_rounds_without_a_ratio() -> None:
     assert bench_ab.median_interval([nan, 3.0, nan, 1.0, 2.0, 5.0, 4.0, 6.0]) == (1.0, 6.0)
     lo, hi = bench_ab.median_interval([nan])
     assert lo != lo and hi != hi  # nan: no round had one
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "model"),
+    [
+        # x86: a block a core; the first block's name and numbers ("model" is the number).
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\n"
+         "model name\t: Intel(R) Xeon(R) Processor\nstepping\t: 1\n\nprocessor\t: 1\n"
+         "model name\t: Another\n",
+         "Intel(R) Xeon(R) Processor (family 6, model 167, stepping 1)"),
+        # Runs of spaces inside the name are one (as some AMD parts pad it); no numbers, none said.
+        ("model name\t: AMD EPYC 7B13   64-Core Processor  \n", "AMD EPYC 7B13 64-Core Processor"),
+        # A value is read from the key's first colon on: a colon inside it is kept.
+        ("model\t\t: 85\nmodel name\t: Xeon: Gold 6148\n", "Xeon: Gold 6148 (model 85)"),
+        # ARM and some virtual machines give no name, or an empty one.
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n", "unknown"),
+        ("model name\t:   \ncpu family\t: 6\n", "unknown"),
+        ("", "unknown"),
+    ],
+)  # fmt: skip
+def test_the_machine_line_names_the_processor(cpuinfo: str, model: str) -> None:
+    assert procs.cpu_model(cpuinfo) == model
+
+
+def test_the_machine_line_says_cores_and_kernel() -> None:
+    line = procs.machine()
+    name, cores, kernel = line.rsplit(", ", 2)
+    assert name and cores == f"{len(os.sched_getaffinity(0))} cores", line
+    assert kernel == f"Linux {os.uname().release}", line

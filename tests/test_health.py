@@ -404,3 +404,50 @@ async def test_probes_leave_no_reference_cycles() -> None:
         finally:
             await client.aclose()
     assert left == []
+
+
+async def test_a_probe_loop_whose_cancel_a_probe_swallowed_still_stops() -> None:
+    # Python 3.11's ``asyncio.timeout`` may turn a cancel that lands as it expires into
+    # TimeoutError, which a probe survives: the loop must still end at once, or ``stop``
+    # waits on it for ever. Lose one cancel that way on purpose.
+    async with sims(1) as (sim,):
+        policy = build_policy(
+            {
+                "pools": {"p": {"replicas": [{"url": sim.url}]}},
+                "lanes": [{"name": "all", "pool": "p"}],
+                "health": HEALTH,
+            }
+        )
+        metrics = Metrics()
+        fleet = Fleet(policy, {}, metrics=metrics)
+        client = make_client(policy)
+        monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+        entered, swallowed = asyncio.Event(), asyncio.Event()
+        rounds_after = 0
+
+        async def probe_that_swallows_its_cancel(replica: Replica, rounds: int) -> None:
+            nonlocal rounds_after
+            if swallowed.is_set():
+                rounds_after += 1  # a round the loop should not have begun
+            entered.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed.is_set():
+                    raise  # once only: a loop that fails this test still ends at teardown
+                swallowed.set()
+                raise TimeoutError from None  # as the timeout may: the cancel goes no further
+
+        monitor.probe_once = probe_that_swallows_its_cancel  # type: ignore[method-assign]
+        try:
+            monitor.replicas_changed()
+            (replica,) = fleet.replicas()
+            loop_task = monitor._tasks[replica]
+            await asyncio.wait_for(entered.wait(), timeout=30)
+            # ``stop`` with a wait of its own: without the loop's check it waits for ever.
+            await asyncio.wait_for(monitor.stop(), timeout=30)
+        finally:
+            await client.aclose()
+    assert swallowed.is_set()
+    assert loop_task.done() and loop_task.cancelled()
+    assert rounds_after == 0

@@ -10,7 +10,8 @@ Layers of ``proxy/``, top to bottom (a module imports its own layer or lower one
   core         proxy.routing, proxy.relay, proxy.fleet, proxy.state, proxy.observe, proxy.workers
   base         proxy.config, proxy.policyfile, proxy.schema, proxy.errors, proxy.routing.tokens,
                proxy.edge.asgi_ext, proxy.headers (header bytes case-folded),
-               proxy.compiled (which build of the modules runs)
+               proxy.compiled (which build of the modules runs), proxy.tasks (a loop's
+               cancel asked, not lost)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "proxy.edge.asgi_ext",
             "proxy.headers",
             "proxy.compiled",
+            "proxy.tasks",
         ),
     ),
     (

@@ -30,6 +30,7 @@ from proxy.fleet.vllm import (
 )
 from proxy.observe.metrics import Metrics
 from proxy.relay.upstream import UpstreamClient, fetch
+from proxy.tasks import end_if_cancelled
 
 log = logging.getLogger("tokenlane.health")
 
@@ -111,6 +112,9 @@ class HealthMonitor:
                 await self.probe_once(replica, rounds)
             except Exception:  # a bug in one probe must not end the loop
                 log.exception("replica=%s probe failed", replica.name)
+            # A cancel lost inside the probe (``proxy/tasks.py``: its timeout's TimeoutError, a
+            # client that caught it) ends the loop here; else ``stop`` would wait for ever.
+            end_if_cancelled()
             event = self._first_round.get(replica)
             if event is not None:
                 event.set()

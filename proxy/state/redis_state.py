@@ -69,12 +69,11 @@ from proxy.state.redislink import (
     REDIS_ERRORS,
     Breaker,
     Unavailable,
-    cancelling,
     connect,
-    end_if_cancelled,
     wait_event,
 )
 from proxy.state.scripts import LEASE, MERGE_RECORD, PRUNE
+from proxy.tasks import cancelling, end_if_cancelled
 
 if TYPE_CHECKING:
     from proxy.observe.metrics import Metrics

@@ -77,23 +77,6 @@ class Breaker:
         return False
 
 
-def cancelling() -> bool:
-    """Whether the current task is being cancelled (so a caught error must not be survived)."""
-    # Python 3.11's asyncio.timeout may turn an outside cancel that lands as it expires into
-    # TimeoutError; a loop that then carries on would never stop. Ask the task instead.
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def end_if_cancelled() -> None:
-    """``CancelledError`` when the current task has been asked to stop: a background loop's
-    every round starts here. A cancel swallowed inside a call (``tests/test_shared.py`` once
-    hung on a sync loop cancelled twice and still looping) then ends the loop at its next
-    round instead of never."""
-    if cancelling():
-        raise asyncio.CancelledError
-
-
 async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
     """Until ``event`` is set or ``timeout_s`` passes (no TimeoutError to confuse with a
     cancel); clears it."""
