@@ -21,8 +21,9 @@ from proxy.fleet.fleet import EjectReason, Fleet, Replica, ReplicaState
 from proxy.fleet.health import HealthMonitor
 from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
-from proxy.relay.upstream import make_client
+from proxy.relay.upstream import UpstreamClient, make_client
 
+from .lost_cancel import LostCancel
 from .waiting import wait_until
 
 # Probe and canary timeouts far above the pauses a loaded machine takes (a good replica must
@@ -107,6 +108,22 @@ async def monitored(urls: list[str], **health: Any) -> AsyncIterator[Fleet]:
     finally:
         await monitor.stop()
         await client.aclose()
+
+
+def unstarted(url: str) -> tuple[Fleet, UpstreamClient, HealthMonitor]:
+    """A fleet of the one replica at ``url``, its client and a monitor not yet started (the
+    test calls its parts); the caller closes the client."""
+    policy = build_policy(
+        {
+            "pools": {"p": {"replicas": [{"url": url}]}},
+            "lanes": [{"name": "all", "pool": "p"}],
+            "health": HEALTH,
+        }
+    )
+    metrics = Metrics()
+    fleet = Fleet(policy, {}, metrics=metrics)
+    client = make_client(policy)
+    return fleet, client, HealthMonitor(fleet, lambda: policy, client, metrics)
 
 
 async def stream_load(sim: Sim, n: int) -> list[asyncio.Task[None]]:
@@ -292,23 +309,13 @@ async def test_replica_answering_garbage_instead_of_http_is_ejected() -> None:
 
     server = await asyncio.start_server(not_http, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    policy = build_policy(
-        {
-            "pools": {"p": {"replicas": [{"url": url}]}},
-            "lanes": [{"name": "all", "pool": "p"}],
-            "health": HEALTH,
-        }
-    )
-    metrics = Metrics()
-    fleet = Fleet(policy, {}, metrics=metrics)
+    fleet, client, monitor = unstarted(url)
     (r,) = fleet.replicas()
     r.models = {"m": {"id": "m"}}
     fleet.observe_health(r, True, fleet.clock())
     fleet.canary_result(r, True, fleet.clock())  # it was a good replica until now
     fleet.observe_scrape(r, None, fleet.clock())
     r.stats.stale = False
-    client = make_client(policy)
-    monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
     try:
         for rounds in range(1, HEALTH["unhealthy_threshold"] + 1):
             await monitor.probe_once(r, rounds)
@@ -371,17 +378,7 @@ async def test_probes_leave_no_reference_cycles() -> None:
     that only the collector frees piles up between its passes: a probe (health, metrics,
     models, canary) must leave none. ``AsyncClient.get`` left one response-stream cycle each."""
     async with sims(1) as (sim,):
-        policy = build_policy(
-            {
-                "pools": {"p": {"replicas": [{"url": sim.url}]}},
-                "lanes": [{"name": "all", "pool": "p"}],
-                "health": HEALTH,
-            }
-        )
-        metrics = Metrics()
-        fleet = Fleet(policy, {}, metrics=metrics)
-        client = make_client(policy)
-        monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+        fleet, client, monitor = unstarted(sim.url)
         (replica,) = fleet.replicas()
         try:
             await monitor.probe_once(replica, 0)  # pooled connections made, caches warm
@@ -411,43 +408,26 @@ async def test_a_probe_loop_whose_cancel_a_probe_swallowed_still_stops() -> None
     # TimeoutError, which a probe survives: the loop must still end at once, or ``stop``
     # waits on it for ever. Lose one cancel that way on purpose.
     async with sims(1) as (sim,):
-        policy = build_policy(
-            {
-                "pools": {"p": {"replicas": [{"url": sim.url}]}},
-                "lanes": [{"name": "all", "pool": "p"}],
-                "health": HEALTH,
-            }
-        )
-        metrics = Metrics()
-        fleet = Fleet(policy, {}, metrics=metrics)
-        client = make_client(policy)
-        monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
-        entered, swallowed = asyncio.Event(), asyncio.Event()
+        fleet, client, monitor = unstarted(sim.url)
+        lost = LostCancel(TimeoutError)
         rounds_after = 0
 
-        async def probe_that_swallows_its_cancel(replica: Replica, rounds: int) -> None:
+        async def probe(replica: Replica, rounds: int) -> None:
             nonlocal rounds_after
-            if swallowed.is_set():
+            if lost.swallowed.is_set():
                 rounds_after += 1  # a round the loop should not have begun
-            entered.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                if swallowed.is_set():
-                    raise  # once only: a loop that fails this test still ends at teardown
-                swallowed.set()
-                raise TimeoutError from None  # as the timeout may: the cancel goes no further
+            await lost.wait()
 
-        monitor.probe_once = probe_that_swallows_its_cancel  # type: ignore[method-assign]
+        monitor.probe_once = probe  # type: ignore[method-assign]
         try:
             monitor.replicas_changed()
             (replica,) = fleet.replicas()
             loop_task = monitor._tasks[replica]
-            await asyncio.wait_for(entered.wait(), timeout=30)
+            await asyncio.wait_for(lost.entered.wait(), timeout=30)
             # ``stop`` with a wait of its own: without the loop's check it waits for ever.
             await asyncio.wait_for(monitor.stop(), timeout=30)
         finally:
             await client.aclose()
-    assert swallowed.is_set()
+    assert lost.swallowed.is_set()
     assert loop_task.done() and loop_task.cancelled()
     assert rounds_after == 0

@@ -29,6 +29,7 @@ from proxy.state.redislink import Breaker, Unavailable
 from proxy.state.shared import shared_state_for
 from proxy.state.view import FleetView
 
+from .lost_cancel import LostCancel
 from .redis_server import RedisServer, running_redis
 from .waiting import wait_until
 
@@ -437,24 +438,14 @@ async def test_a_loop_whose_cancel_a_call_swallowed_still_stops(
     # task cancelled twice and still looping, its cancel lost inside a call. Lose one on
     # purpose: the loop must end at its next round, within ``stop``'s wait.
     async with instance(redis_server, name="a") as (a, _):
-        entered, swallowed = asyncio.Event(), asyncio.Event()
-
-        async def sync_that_swallows_its_cancel() -> None:
-            entered.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                if swallowed.is_set():
-                    raise  # once only: a loop that fails this test still ends at teardown
-                swallowed.set()  # as a library may: the cancel goes no further
-
-        a.sync = sync_that_swallows_its_cancel  # type: ignore[method-assign]
+        lost = LostCancel()  # swallowed, as a library may: the cancel goes no further
+        a.sync = lost.wait  # type: ignore[method-assign]
         a._reconcile_now.set()  # the sync loop's next round now, into the call above
-        await asyncio.wait_for(entered.wait(), timeout=30)
+        await asyncio.wait_for(lost.entered.wait(), timeout=30)
         sync_task = next(t for t in a._tasks if t.get_name() == "shared sync")
     # ``instance`` stopped ``a`` on its way out: the cancel swallowed, then the loop ended
     # (without its check it sleeps into its next round, and ``stop`` gives up after 2 s).
-    assert swallowed.is_set()
+    assert lost.swallowed.is_set()
     assert sync_task.done() and sync_task.cancelled()
 
 
