@@ -161,20 +161,23 @@ def tree_wait_seconds(pid: int) -> float:
 def cpu_model(cpuinfo: str) -> str:
     """The processor in ``/proc/cpuinfo``'s text: its first ``model name``, with its family,
     model and stepping numbers where given (a virtual machine's name may be as plain as
-    "Intel(R) Xeon(R) Processor"; the numbers still tell two generations apart), or
-    "unknown" where the kernel gives no name (some virtual and ARM machines)."""
+    "Intel(R) Xeon(R) Processor"; the numbers still tell two generations apart); on arm64,
+    which names none, its implementer and part; else "unknown"."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
             break  # the first processor's block is enough
         key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), " ".join(value.split()))
+        value = " ".join(value.split())
+        if sep and value and value != "unknown":
+            fields.setdefault(key.strip(), value)
     name = fields.get("model name")
-    if not name:
-        return "unknown"
+    if name is None:
+        parts = (("implementer", "CPU implementer"), ("part", "CPU part"))
+        arm = [f"{said} {fields[key]}" for said, key in parts if key in fields]
+        return f"ARM ({', '.join(arm)})" if arm else "unknown"
     named = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
-    numbers = [f"{said} {fields[key]}" for said, key in named if fields.get(key)]
+    numbers = [f"{said} {fields[key]}" for said, key in named if key in fields]
     return f"{name} ({', '.join(numbers)})" if numbers else name
 
 

@@ -350,8 +350,14 @@ def test_the_median_interval_leaves_out_rounds_without_a_ratio() -> None:
         ("model name\t: AMD EPYC 7B13   64-Core Processor  \n", "AMD EPYC 7B13 64-Core Processor"),
         # A value is read from the key's first colon on: a colon inside it is kept.
         ("model\t\t: 85\nmodel name\t: Xeon: Gold 6148\n", "Xeon: Gold 6148 (model 85)"),
-        # ARM and some virtual machines give no name, or an empty one.
-        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU part\t: 0xd0c\n", "unknown"),
+        # arm64 names no model: its implementer and part tell the core (0xd0c: Neoverse N1).
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n",
+         "ARM (implementer 0x41, part 0xd0c)"),
+        # A virtual machine's "unknown" is said as nothing.
+        ("model name\t: Common KVM processor\ncpu family\t: 15\nstepping\t: unknown\n",
+         "Common KVM processor (family 15)"),
+        # No name and no part, or an empty name: unknown.
+        ("processor\t: 0\nBogoMIPS\t: 50.00\n", "unknown"),
         ("model name\t:   \ncpu family\t: 6\n", "unknown"),
         ("", "unknown"),
     ],

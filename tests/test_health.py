@@ -424,10 +424,18 @@ async def test_a_probe_loop_whose_cancel_a_probe_swallowed_still_stops() -> None
             (replica,) = fleet.replicas()
             loop_task = monitor._tasks[replica]
             await asyncio.wait_for(lost.entered.wait(), timeout=30)
-            # ``stop`` with a wait of its own: without the loop's check it waits for ever.
-            await asyncio.wait_for(monitor.stop(), timeout=30)
+            # Awaited with ``asyncio.wait``, which leaves it running when time is up: without
+            # the loop's check ``stop`` still waits then (``wait_for`` would cancel it, and
+            # that second cancel would end the loop and hide the failure).
+            stopping = asyncio.create_task(monitor.stop())
+            await asyncio.wait({stopping}, timeout=30)
+            stopped = stopping.done()
+            if not stopped:
+                stopping.cancel()  # the loop's second cancel: it ends, the test fails below
+                await asyncio.wait({stopping})
         finally:
             await client.aclose()
     assert lost.swallowed.is_set()
+    assert stopped, "stop still waited on the probe loop after 30 s"
     assert loop_task.done() and loop_task.cancelled()
     assert rounds_after == 0

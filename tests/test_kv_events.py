@@ -26,6 +26,7 @@ from proxy.fleet.kv_events import KvEventFeed
 from proxy.routing.kv_blocks import BlockStored, decode_batch, token_block_keys
 
 from .gateway import policy_for, running_gateway, wait_healthy
+from .lost_cancel import LostCancel
 from .servers import FAST_SIM
 from .waiting import wait_until
 
@@ -336,3 +337,37 @@ async def test_a_render_that_fails_or_hangs_costs_the_request_only_its_precise_m
     finally:
         await client.aclose()
         server.close()
+
+
+async def test_a_subscription_whose_cancel_a_replay_swallowed_still_stops() -> None:
+    # A replay runs under ``asyncio.timeout`` and survives its TimeoutError; Python 3.11's may
+    # be a cancel that landed as it expired. The subscription must end at its next batch's
+    # wait, not wait there for ever (nothing is published here).
+    async with run_sim(kv_settings(), name="a") as sim:
+        assert sim.kv_events is not None and sim.kv_events.replay_address is not None
+        ctx = zmq.asyncio.Context()
+        feed = KvEventFeed(
+            "p", "a", sim.kv_events.endpoint, sim.kv_events.replay_address, "kv@sim", ctx
+        )
+        lost = LostCancel()  # caught inside the replay, which then returns as after a timeout
+
+        async def replay(start: int, until: int | None) -> bool:
+            await lost.wait()
+            return False
+
+        feed._replay_from = replay  # type: ignore[method-assign]
+        try:
+            feed.start()
+            await asyncio.wait_for(lost.entered.wait(), timeout=30)
+            task = feed.cancel()
+            assert task is not None
+            await asyncio.wait({task}, timeout=30)  # left running when time is up
+            ended = task.done()
+            if not ended:
+                task.cancel()  # its second cancel: it ends, and the test fails below
+                await asyncio.wait({task})
+        finally:
+            ctx.term()
+    assert lost.swallowed.is_set()
+    assert ended, "the subscription still waited for a batch 30 s after its cancel"
+    assert task.cancelled()

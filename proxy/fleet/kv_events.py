@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from proxy.relay.upstream import UpstreamClient, fetch
 from proxy.routing.kv_blocks import KvBlockSet, decode_batch
+from proxy.tasks import end_if_cancelled
 
 if TYPE_CHECKING:
     from proxy.fleet.fleet import Fleet, Replica
@@ -153,6 +154,9 @@ class KvEventFeed:
             if self.replay is not None:
                 await self._replay_from(0, None)  # what the replica kept before we came
             while True:
+                # A cancel lost in a replay (``proxy/tasks.py``: its timeout's TimeoutError,
+                # caught there) ends the subscription here, not in a wait for the next batch.
+                end_if_cancelled()
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     log.warning("kv events %s: a message of %d frames", self.name, len(frames))
