@@ -20,8 +20,8 @@ def cancelling() -> bool:
 
 
 def end_if_cancelled() -> None:
-    """``CancelledError`` when the current task has been asked to stop: a background loop's
-    every round starts here."""
+    """``CancelledError`` when the current task has been asked to stop: a background loop
+    calls it every round, after the calls that may have lost a cancel."""
     if cancelling():
         raise asyncio.CancelledError
 

@@ -27,3 +27,16 @@ class LostCancel:
             self.swallowed.set()
             if self.becomes is not None:
                 raise self.becomes from None
+
+
+async def ended_in_time(task: asyncio.Task[None], timeout_s: float = 30.0) -> bool:
+    """Whether ``task`` ended within ``timeout_s``. Waited on with ``asyncio.wait``, which
+    leaves it running when time is up (``wait_for`` would cancel it, and that second cancel
+    would end a loop that lost its first and hide the failure); then cancelled again, so that
+    it ends before the test reports."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.wait({task})
+    return False

@@ -23,7 +23,7 @@ from proxy.observe.metrics import Metrics
 from proxy.policyfile import build_policy
 from proxy.relay.upstream import UpstreamClient, make_client
 
-from .lost_cancel import LostCancel
+from .lost_cancel import LostCancel, ended_in_time
 from .waiting import wait_until
 
 # Probe and canary timeouts far above the pauses a loaded machine takes (a good replica must
@@ -91,17 +91,7 @@ async def sims(n: int) -> AsyncIterator[list[Sim]]:
 
 @contextlib.asynccontextmanager
 async def monitored(urls: list[str], **health: Any) -> AsyncIterator[Fleet]:
-    policy = build_policy(
-        {
-            "pools": {"p": {"replicas": [{"url": u} for u in urls]}},
-            "lanes": [{"name": "all", "pool": "p"}],
-            "health": {**HEALTH, **health},
-        }
-    )
-    metrics = Metrics()
-    fleet = Fleet(policy, {}, metrics=metrics)
-    client = make_client(policy)
-    monitor = HealthMonitor(fleet, lambda: policy, client, metrics)
+    fleet, client, monitor = unstarted(*urls, **health)
     await monitor.start()
     try:
         yield fleet
@@ -110,14 +100,14 @@ async def monitored(urls: list[str], **health: Any) -> AsyncIterator[Fleet]:
         await client.aclose()
 
 
-def unstarted(url: str) -> tuple[Fleet, UpstreamClient, HealthMonitor]:
-    """A fleet of the one replica at ``url``, its client and a monitor not yet started (the
-    test calls its parts); the caller closes the client."""
+def unstarted(*urls: str, **health: Any) -> tuple[Fleet, UpstreamClient, HealthMonitor]:
+    """A fleet of the replicas at ``urls`` (``health`` over ``HEALTH``), its client and a
+    monitor not yet started; the caller starts it or calls its parts, and closes the client."""
     policy = build_policy(
         {
-            "pools": {"p": {"replicas": [{"url": url}]}},
+            "pools": {"p": {"replicas": [{"url": u} for u in urls]}},
             "lanes": [{"name": "all", "pool": "p"}],
-            "health": HEALTH,
+            "health": {**HEALTH, **health},
         }
     )
     metrics = Metrics()
@@ -424,15 +414,7 @@ async def test_a_probe_loop_whose_cancel_a_probe_swallowed_still_stops() -> None
             (replica,) = fleet.replicas()
             loop_task = monitor._tasks[replica]
             await asyncio.wait_for(lost.entered.wait(), timeout=30)
-            # Awaited with ``asyncio.wait``, which leaves it running when time is up: without
-            # the loop's check ``stop`` still waits then (``wait_for`` would cancel it, and
-            # that second cancel would end the loop and hide the failure).
-            stopping = asyncio.create_task(monitor.stop())
-            await asyncio.wait({stopping}, timeout=30)
-            stopped = stopping.done()
-            if not stopped:
-                stopping.cancel()  # the loop's second cancel: it ends, the test fails below
-                await asyncio.wait({stopping})
+            stopped = await ended_in_time(asyncio.create_task(monitor.stop()))
         finally:
             await client.aclose()
     assert lost.swallowed.is_set()
